@@ -1,0 +1,1 @@
+"""The ``moeinfra`` command line. Thin: parse, call the library, print."""

@@ -1,0 +1,3 @@
+from moeinfra.cli.main import main
+
+main()

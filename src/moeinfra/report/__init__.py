@@ -1,0 +1,1 @@
+"""HTML report assembled from per-capability sections (``make demo`` writes it)."""
