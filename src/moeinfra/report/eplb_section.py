@@ -1,9 +1,133 @@
-"""EPLB section of the demo report (being written)."""
+"""EPLB section of the demo report: DeepSeek's published example reproduced, and the policies compared
+at DeepSeek-V3 scale on skewed synthetic loads."""
 
+from __future__ import annotations
+
+import html
+import time
 from pathlib import Path
 
-from moeinfra.report.page import Section
+import numpy as np
+
+from moeinfra.eplb import evaluate, rebalance, rebalance_experts
+from moeinfra.eplb.bench import DEPLOYMENTS
+from moeinfra.eplb.figures import plot_plan, plot_policy_comparison
+from moeinfra.eplb.synthetic import synthetic_load
+from moeinfra.report.page import Section, figure_html, table_html
+
+# DeepSeek's EPLB README example (REFERENCE.md): 2 layers, 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
+EXAMPLE_WEIGHT = np.array(
+    [
+        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+    ]
+)
+EXAMPLE_PHY2LOG = np.array(
+    [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+)
 
 
 def build(out_dir: Path) -> Section:
-    return Section("eplb", "Expert-parallelism load balancer", "<p>being written</p>")
+    """Write the EPLB figures into ``out_dir`` and return the section."""
+    parts = [
+        "<p>Expert placement for DeepSeek-V3 style expert parallelism (<code>moeinfra.eplb</code>).</p>"
+    ]
+
+    phy2log, _, _ = rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8)
+    match = bool((phy2log == EXAMPLE_PHY2LOG).all())
+    parts.append("<h3>DeepSeek's published example</h3>")
+    parts.append(
+        table_html(
+            ["layer", "published phy2log", "moeinfra rebalance_experts", "equal"],
+            [
+                [
+                    layer,
+                    " ".join(map(str, EXAMPLE_PHY2LOG[layer])),
+                    " ".join(map(str, phy2log[layer])),
+                    match,
+                ]
+                for layer in range(2)
+            ],
+        )
+    )
+    example_plan = rebalance(EXAMPLE_WEIGHT, 16, 4, 2, 8, policy="deepseek")
+    plot_plan(example_plan, EXAMPLE_WEIGHT, out_dir / "eplb_example_deepseek.png", layer=0)
+    default_example = rebalance(EXAMPLE_WEIGHT, 16, 4, 2, 8)
+    plot_plan(default_example, EXAMPLE_WEIGHT, out_dir / "eplb_example_default.png", layer=0)
+    parts.append(figure_html("eplb_example_deepseek.png", "Example, layer 0, DeepSeek's policy"))
+    parts.append(
+        figure_html("eplb_example_default.png", "Example, layer 0, moeinfra's default policy")
+    )
+
+    parts.append("<h3>DeepSeek-V3 scale: 58 MoE layers x 256 experts, 288 slots</h3>")
+    rows = []
+    for deployment, shape in DEPLOYMENTS.items():
+        for kind in ("lognormal", "zipf"):
+            load = synthetic_load(kind, 58, 256)
+            start = time.perf_counter()
+            ours = rebalance(load, **shape)
+            ours_ms = (time.perf_counter() - start) * 1e3
+            theirs = rebalance(load, **shape, policy="deepseek")
+            ours_eval, theirs_eval = evaluate(ours, load), evaluate(theirs, load)
+            rows.append(
+                [
+                    f"{deployment} ({shape['num_nodes']} nodes, {shape['num_gpus']} GPUs)",
+                    kind,
+                    f"{theirs_eval.max_over_mean.mean():.4f}",
+                    f"{ours_eval.max_over_mean.mean():.4f}",
+                    f"{theirs_eval.gap.mean():.2%}",
+                    f"{ours_eval.gap.mean():.2%}",
+                    int(theirs_eval.duplicates.sum()),
+                    int(ours_eval.duplicates.sum()),
+                    f"{ours_ms:.1f}",
+                ]
+            )
+            if deployment == "prefill" and kind == "zipf":
+                plot_plan(ours, load, out_dir / "eplb_prefill_default.png")
+                plot_policy_comparison(
+                    {
+                        "deepseek": theirs_eval.max_over_mean,
+                        "moeinfra default": ours_eval.max_over_mean,
+                    },
+                    out_dir / "eplb_prefill_layers.png",
+                    title="Prefill unit (EP32), Zipf loads: max / mean GPU load per layer",
+                )
+    parts.append(
+        table_html(
+            [
+                "deployment",
+                "load",
+                "deepseek max/mean",
+                "default max/mean",
+                "deepseek gap to bound",
+                "default gap to bound",
+                "deepseek duplicates",
+                "default duplicates",
+                "default ms",
+            ],
+            rows,
+        )
+    )
+    parts.append(
+        "<p>"
+        + html.escape(
+            "max/mean: mean over layers of the heaviest GPU's load over the average GPU load (1 = perfect). "
+            "Gap: heaviest GPU over the lower bound (see moeinfra.eplb.metrics). Duplicates: slots holding a "
+            "second copy of an expert on the same GPU."
+        )
+        + "</p>"
+    )
+    parts.append(
+        figure_html(
+            "eplb_prefill_layers.png", "Per-layer balance, DeepSeek's policy vs the default"
+        )
+    )
+    parts.append(
+        figure_html(
+            "eplb_prefill_default.png", "Least balanced prefill layer under the default policy"
+        )
+    )
+    return Section("eplb", "Expert-parallelism load balancer (EPLB)", "".join(parts))

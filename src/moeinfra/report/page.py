@@ -2,17 +2,19 @@
 
 Section builders live one per capability (``report/eplb_section.py``, ...). Each takes the output folder,
 writes its figures there, and returns a :class:`Section`. :func:`write_report` writes ``index.html``
-atomically.
+atomically (``write_text_atomic`` is re-exported here for section builders).
 """
 
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from moeinfra.atomicio import write_text_atomic
+
+__all__ = ["Section", "figure_html", "table_html", "write_report", "write_text_atomic"]
 
 
 @dataclass(frozen=True)
@@ -56,24 +58,12 @@ figcaption { font-size: 0.85em; color: #555; } code { background: #f4f4f4; paddi
 """
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so no half-written file remains."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(out_dir: Path, title: str, sections: Sequence[Section]) -> Path:
     """Write ``out_dir/index.html`` with a table of contents and the given sections; return its path."""
     toc = "".join(f'<li><a href="#{s.anchor}">{html.escape(s.title)}</a></li>' for s in sections)
     parts = "".join(
-        f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>{s.body_html}</section>' for s in sections
+        f'<section id="{s.anchor}"><h2>{html.escape(s.title)}</h2>{s.body_html}</section>'
+        for s in sections
     )
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

@@ -1,0 +1,192 @@
+"""DeepSeek's published EPLB policy (``rebalance_experts``), reimplemented vectorised over layers.
+
+Same contract and same results as DeepSeek's release, including its float32 arithmetic and its
+tie-breaking (lowest index wins), but each step runs on all layers at once instead of a Python loop
+over 0-d tensors. Sorting is stable, so equal loads keep expert order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moeinfra.eplb.inputs import check_layout, like_input, to_numpy_load
+
+
+def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack ``n`` weighted items into ``num_packs`` packs of exactly ``n / num_packs`` items each.
+
+    Items go in descending weight order, each to the lightest pack that still has room.
+
+    Args:
+        weight: ``[X, n]`` item weights, one packing problem per row.
+        num_packs: number of packs; must divide ``n``.
+    Returns:
+        ``pack_index [X, n]`` (pack of each item) and ``rank_in_pack [X, n]`` (position inside it), int64.
+    """
+    rows, num_items = weight.shape
+    per_pack = num_items // num_packs
+    if per_pack == 1:
+        return (
+            np.broadcast_to(np.arange(num_items, dtype=np.int64), weight.shape).copy(),
+            np.zeros(weight.shape, dtype=np.int64),
+        )
+    order = np.argsort(-weight, axis=1, kind="stable")
+    sorted_weight = np.take_along_axis(weight, order, axis=1)
+    # Full packs get +inf so argmin never picks them; keys stay in the input dtype (float32 like DeepSeek).
+    key = np.zeros(rows * num_packs, dtype=weight.dtype)
+    count = np.zeros(rows * num_packs, dtype=np.int64)
+    row_base = np.arange(rows, dtype=np.int64) * num_packs
+    chosen = np.empty((rows, num_items), dtype=np.int64)
+    rank = np.empty((rows, num_items), dtype=np.int64)
+    key_2d = key.reshape(rows, num_packs)
+    inf = np.array(np.inf, dtype=weight.dtype)
+    for k in range(num_items):
+        pack = key_2d.argmin(axis=1)
+        flat = row_base + pack
+        chosen[:, k] = pack
+        filled = count[flat]
+        rank[:, k] = filled
+        count[flat] = filled + 1
+        key[flat] = np.where(filled + 1 == per_pack, inf, key[flat] + sorted_weight[:, k])
+    pack_index = np.empty_like(chosen)
+    rank_in_pack = np.empty_like(rank)
+    np.put_along_axis(pack_index, order, chosen, axis=1)
+    np.put_along_axis(rank_in_pack, order, rank, axis=1)
+    return pack_index, rank_in_pack
+
+
+def replicate_experts(
+    weight: np.ndarray, num_physical: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Give redundant replicas, one at a time, to the expert with the largest load per replica.
+
+    Args:
+        weight: ``[X, n]`` logical expert loads.
+        num_physical: physical slots per row, ``>= n``.
+    Returns:
+        ``phy2log [X, num_physical]``, ``rank [X, num_physical]`` (replica index of each slot) and
+        ``logcnt [X, n]`` (replicas per expert), int64. Slot ``i < n`` holds expert ``i``.
+    """
+    rows, num_logical = weight.shape
+    phy2log = np.broadcast_to(np.arange(num_physical, dtype=np.int64), (rows, num_physical)).copy()
+    rank = np.zeros((rows, num_physical), dtype=np.int64)
+    logcnt = np.ones((rows, num_logical), dtype=np.int64)
+    arange_rows = np.arange(rows)
+    for slot in range(num_logical, num_physical):
+        expert = (weight / logcnt.astype(weight.dtype)).argmax(axis=1)
+        phy2log[:, slot] = expert
+        rank[:, slot] = logcnt[arange_rows, expert]
+        logcnt[arange_rows, expert] += 1
+    return phy2log, rank, logcnt
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inverse = np.empty_like(perm)
+    np.put_along_axis(
+        inverse, perm, np.broadcast_to(np.arange(perm.shape[1], dtype=np.int64), perm.shape), axis=1
+    )
+    return inverse
+
+
+def rebalance_hierarchical(
+    weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DeepSeek's hierarchical policy: groups to nodes, replicate within nodes, replicas to GPUs.
+
+    Args:
+        weight: ``[L, E]`` float32 loads.
+    Returns:
+        ``phy2log [L, num_physical]``, ``phyrank [L, num_physical]``, ``logcnt [L, E]``, int64.
+    """
+    num_layers, num_logical = weight.shape
+    group_size = num_logical // num_groups
+    groups_per_node = num_groups // num_nodes
+    slots_per_gpu = num_physical // num_gpus
+    logical_per_node = num_logical // num_nodes
+
+    # Step 1: pack expert groups onto nodes; relabel experts so each node's are contiguous ("mlog").
+    tokens_per_group = weight.reshape(num_layers, num_groups, group_size).sum(axis=-1)
+    group_pack, group_rank = balanced_packing(tokens_per_group, num_nodes)
+    log2mlog = (
+        ((group_pack * groups_per_node + group_rank) * group_size)[:, :, None]
+        + np.arange(group_size, dtype=np.int64)
+    ).reshape(num_layers, num_logical)
+    mlog2log = _inverse(log2mlog)
+
+    # Step 2: replicate experts within each node.
+    tokens_per_mlog = np.take_along_axis(weight, mlog2log, axis=-1).reshape(-1, logical_per_node)
+    phy2mlog, phyrank, mlogcnt = replicate_experts(tokens_per_mlog, num_physical // num_nodes)
+
+    # Step 3: pack each node's physical experts onto its GPUs.
+    tokens_per_phy = np.take_along_axis(
+        tokens_per_mlog / mlogcnt.astype(weight.dtype), phy2mlog, axis=-1
+    )
+    pack_index, rank_in_pack = balanced_packing(tokens_per_phy, num_gpus // num_nodes)
+    phy2pphy = pack_index * slots_per_gpu + rank_in_pack
+    pphy2phy = _inverse(phy2pphy)
+
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=-1)
+    pphy2mlog = (
+        pphy2mlog.reshape(num_layers, num_nodes, -1)
+        + np.arange(0, num_logical, logical_per_node, dtype=np.int64)[None, :, None]
+    ).reshape(num_layers, -1)
+    pphy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=-1)
+    pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=-1).reshape(num_layers, -1)
+    logcnt = np.take_along_axis(mlogcnt.reshape(num_layers, -1), log2mlog, axis=-1)
+    return pphy2log, pphyrank, logcnt
+
+
+def build_log2phy(phy2log: np.ndarray, phyrank: np.ndarray, num_logical: int) -> np.ndarray:
+    """``[L, E, R - E + 1]`` physical slots of each logical expert, ordered by replica rank, padded with -1."""
+    num_layers, num_replicas = phy2log.shape
+    max_replicas = num_replicas - num_logical + 1
+    log2phy = np.full((num_layers, num_logical * max_replicas), -1, dtype=np.int64)
+    np.put_along_axis(
+        log2phy,
+        phy2log * max_replicas + phyrank,
+        np.broadcast_to(np.arange(num_replicas, dtype=np.int64), phy2log.shape),
+        axis=-1,
+    )
+    return log2phy.reshape(num_layers, num_logical, max_replicas)
+
+
+def deepseek_arrays(
+    load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """DeepSeek's policy on a checked float64 load; returns ``(phy2log, phyrank, logcnt, hierarchical)``."""
+    weight = load.astype(np.float32)
+    hierarchical = num_groups % num_nodes == 0
+    if hierarchical:
+        phy2log, phyrank, logcnt = rebalance_hierarchical(
+            weight, num_replicas, num_groups, num_nodes, num_gpus
+        )
+    else:
+        phy2log, phyrank, logcnt = rebalance_hierarchical(weight, num_replicas, 1, 1, num_gpus)
+    return phy2log, phyrank, logcnt, hierarchical
+
+
+def rebalance_experts(
+    weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[Any, Any, Any]:
+    """DeepSeek's EPLB entry point, same contract as its release.
+
+    Hierarchical policy when ``num_groups % num_nodes == 0``, global policy otherwise.
+
+    Args:
+        weight: ``[layers, num_logical_experts]`` load statistics (numpy array or torch tensor).
+        num_replicas: physical experts, a multiple of ``num_gpus``.
+        num_groups: expert groups. num_nodes: server nodes. num_gpus: GPUs, a multiple of ``num_nodes``.
+    Returns:
+        ``phy2log [layers, num_replicas]``, ``log2phy [layers, num_logical_experts, X]`` padded with -1
+        (``X = num_replicas - num_logical_experts + 1``), ``logcnt [layers, num_logical_experts]``;
+        int64, of the same kind (numpy or torch, same device) as ``weight``.
+    """
+    load = to_numpy_load(weight)
+    layout = check_layout(load.shape[1], num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log, phyrank, logcnt, _ = deepseek_arrays(
+        load, layout.num_replicas, layout.num_groups, layout.num_nodes, layout.num_gpus
+    )
+    log2phy = build_log2phy(phy2log, phyrank, layout.num_experts)
+    return like_input(phy2log, weight), like_input(log2phy, weight), like_input(logcnt, weight)

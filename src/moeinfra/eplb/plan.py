@@ -1,0 +1,169 @@
+"""``Plan``: where every physical expert slot of every layer lives. The spine of the EPLB package.
+
+Producers (:func:`moeinfra.eplb.rebalance`) make it; metrics, migration, dispatch, figures and the CLI
+read it. Saved as ``.npz`` (arrays + layout) or ``.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.atomicio import atomic_path
+from moeinfra.eplb.inputs import Layout, check_layout
+from moeinfra.errors import InputError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placement of physical expert replicas.
+
+    Attributes:
+        phy2log: ``[L, R]`` int64, logical expert held by each physical slot. Slot ``r`` is on GPU
+            ``r // (R / num_gpus)``, GPU ``g`` on node ``g // (num_gpus / num_nodes)``.
+        log2phy: ``[L, E, K]`` int64, the slots of each expert, padded with -1 (``K = R - E + 1``).
+        logcnt: ``[L, E]`` int64, replicas per expert.
+        gpu_load: ``[L, num_gpus]`` float64, load of each GPU under the load the plan was built for
+            (an expert's load split evenly over its replicas).
+        layout: slot/hardware numbers. policy: which policy produced the plan.
+        expert_load: ``[L, E]`` float64, the load the plan was built for (``None`` if unknown).
+        metrics: producer's notes (``layer_policy``, ``moves``); not saved.
+    """
+
+    phy2log: np.ndarray
+    log2phy: np.ndarray
+    logcnt: np.ndarray
+    gpu_load: np.ndarray
+    layout: Layout
+    policy: str
+    expert_load: np.ndarray | None = None
+    metrics: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.phy2log.shape[0])
+
+    def slot_gpu(self) -> np.ndarray:
+        """``[R]`` GPU of each physical slot."""
+        return np.arange(self.layout.num_replicas) // self.layout.slots_per_gpu
+
+    def gpu_experts(self) -> np.ndarray:
+        """``[L, num_gpus, slots_per_gpu]`` experts held by each GPU."""
+        return self.phy2log.reshape(
+            self.num_layers, self.layout.num_gpus, self.layout.slots_per_gpu
+        )
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Everything :meth:`save` writes, as named arrays."""
+        lay = self.layout
+        arrays = {
+            "phy2log": self.phy2log,
+            "log2phy": self.log2phy,
+            "logcnt": self.logcnt,
+            "gpu_load": self.gpu_load,
+            "layout": np.array(
+                [lay.num_experts, lay.num_replicas, lay.num_groups, lay.num_nodes, lay.num_gpus],
+                dtype=np.int64,
+            ),
+            "policy": np.array(self.policy),
+        }
+        if self.expert_load is not None:
+            arrays["load"] = self.expert_load
+        return arrays
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan to ``.npz`` or ``.json`` (by suffix) atomically; return the path."""
+        path = Path(path)
+        if path.suffix not in (".npz", ".json"):
+            raise InputError(f"plan path {str(path)!r} must end in .npz or .json")
+        with atomic_path(path) as tmp:
+            if path.suffix == ".npz":
+                np.savez_compressed(tmp, **self.to_arrays())
+            else:
+                payload = {k: v.tolist() for k, v in self.to_arrays().items()}
+                tmp.write_text(json.dumps(payload))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by :meth:`save`."""
+        path = Path(path)
+        if not path.exists():
+            raise InputError(f"plan file {str(path)!r} does not exist")
+        try:
+            if path.suffix == ".json":
+                raw = json.loads(path.read_text())
+                arrays = {k: np.asarray(v) for k, v in raw.items()}
+            else:
+                with np.load(path, allow_pickle=False) as data:
+                    arrays = {k: data[k] for k in data.files}
+            layout = check_layout(*(int(x) for x in arrays["layout"]))
+            return cls(
+                phy2log=arrays["phy2log"].astype(np.int64),
+                log2phy=arrays["log2phy"].astype(np.int64),
+                logcnt=arrays["logcnt"].astype(np.int64),
+                gpu_load=arrays["gpu_load"].astype(np.float64),
+                layout=layout,
+                policy=str(arrays["policy"]),
+                expert_load=arrays["load"].astype(np.float64) if "load" in arrays else None,
+            )
+        except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"plan file {str(path)!r} is not a moeinfra plan: {exc}") from None
+
+
+def replica_load(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
+    """``[L, R]`` load of each physical slot: its expert's load divided by the expert's replica count."""
+    per_replica = load / np.maximum(logcnt, 1)
+    return np.take_along_axis(per_replica, phy2log, axis=1)
+
+
+def gpu_loads(
+    load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """``[L, num_gpus]`` summed slot loads per GPU."""
+    slots = replica_load(load, phy2log, logcnt)
+    return slots.reshape(slots.shape[0], num_gpus, -1).sum(axis=2)
+
+
+def replica_ranks(phy2log: np.ndarray) -> np.ndarray:
+    """``[L, R]`` replica index of each slot among the slots of the same expert, in slot order."""
+    num_layers, num_replicas = phy2log.shape
+    order = np.argsort(phy2log, axis=1, kind="stable")
+    sorted_experts = np.take_along_axis(phy2log, order, axis=1)
+    positions = np.broadcast_to(np.arange(num_replicas), (num_layers, num_replicas))
+    is_start = np.ones_like(sorted_experts, dtype=bool)
+    is_start[:, 1:] = sorted_experts[:, 1:] != sorted_experts[:, :-1]
+    start_pos = np.maximum.accumulate(np.where(is_start, positions, 0), axis=1)
+    ranks = np.empty_like(phy2log)
+    np.put_along_axis(ranks, order, positions - start_pos, axis=1)
+    return ranks
+
+
+def count_replicas(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[L, E]`` number of slots holding each expert."""
+    num_layers = phy2log.shape[0]
+    flat = phy2log + np.arange(num_layers)[:, None] * num_experts
+    return np.bincount(flat.ravel(), minlength=num_layers * num_experts).reshape(num_layers, -1)
+
+
+def make_plan(
+    phy2log: np.ndarray, load: np.ndarray, layout: Layout, policy: str, metrics: dict | None = None
+) -> Plan:
+    """Build a :class:`Plan` from ``phy2log [L, R]``, deriving ``logcnt``, ``log2phy`` and GPU loads."""
+    from moeinfra.eplb.deepseek import build_log2phy
+
+    logcnt = count_replicas(phy2log, layout.num_experts)
+    log2phy = build_log2phy(phy2log, replica_ranks(phy2log), layout.num_experts)
+    return Plan(
+        phy2log=phy2log.astype(np.int64, copy=False),
+        log2phy=log2phy,
+        logcnt=logcnt,
+        gpu_load=gpu_loads(load, phy2log, logcnt, layout.num_gpus),
+        layout=layout,
+        policy=policy,
+        expert_load=load,
+        metrics=metrics or {},
+    )
