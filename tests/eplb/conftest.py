@@ -1,23 +1,11 @@
 import numpy as np
 import pytest
 
+from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT  # noqa: F401 (re-exported)
 from moeinfra.eplb.synthetic import synthetic_load
 
 PREFILL = {"num_replicas": 288, "num_groups": 8, "num_nodes": 4, "num_gpus": 32}
 DECODE = {"num_replicas": 288, "num_groups": 8, "num_nodes": 18, "num_gpus": 144}
-
-EXAMPLE_WEIGHT = np.array(
-    [
-        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
-    ]
-)
-EXAMPLE_PHY2LOG = np.array(
-    [
-        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
-    ]
-)
 
 
 @pytest.fixture(scope="session")

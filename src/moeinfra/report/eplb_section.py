@@ -7,27 +7,12 @@ import html
 import time
 from pathlib import Path
 
-import numpy as np
-
 from moeinfra.eplb import evaluate, rebalance, rebalance_experts
 from moeinfra.eplb.bench import DEPLOYMENTS
 from moeinfra.eplb.figures import plot_plan, plot_policy_comparison
+from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
 from moeinfra.eplb.synthetic import synthetic_load
 from moeinfra.report.page import Section, figure_html, table_html
-
-# DeepSeek's EPLB README example (REFERENCE.md): 2 layers, 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
-EXAMPLE_WEIGHT = np.array(
-    [
-        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
-    ]
-)
-EXAMPLE_PHY2LOG = np.array(
-    [
-        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
-    ]
-)
 
 
 def build(out_dir: Path) -> Section:
