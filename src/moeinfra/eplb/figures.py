@@ -71,6 +71,7 @@ def plot_plan(
     for boundary in range(lay.gpus_per_node, lay.num_gpus, lay.gpus_per_node):
         ax_map.axvline(boundary - 0.5, color="black", linewidth=2)
         ax_bar.axvline(boundary - 0.5, color="black", linewidth=1, alpha=0.5)
+    ax_map.set_yticks(range(lay.slots_per_gpu))
     ax_map.set_ylabel("slot")
     ax_map.set_xlabel(f"GPU ({lay.num_nodes} nodes x {lay.gpus_per_node} GPUs; cells: expert id)")
     fig.colorbar(image, ax=ax_map, label="load per replica", fraction=0.02, pad=0.01)
