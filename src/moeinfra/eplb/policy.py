@@ -218,6 +218,7 @@ def _migrate(
             _slot_loads(load, phy2log, lay),
             lay.num_gpus,
             gpus_per_domain=domain,
+            partner_gpus=domain,  # a migration is rare: search every partner, fewer moves suffice
             target=target,
             min_gain=min_gain,
             max_total_moves=budget_left(),
