@@ -85,24 +85,30 @@ def improve_by_swaps(
     num_gpus: int,
     *,
     gpus_per_domain: int | None = None,
-    partner_gpus: int = 8,
+    heavy_gpus: int = 2,
+    partner_gpus: int = 4,
     target: np.ndarray | None = None,
     max_steps: int = 500,
     min_gain: float = 1e-9,
     max_total_moves: int | None = None,
 ) -> np.ndarray:
-    """Swap slots between GPUs (within a domain) to lower each layer's heaviest GPU; in place.
+    """Swap slots between GPUs (within a domain) to lower each layer's heaviest GPUs; in place.
+
+    Each step takes the ``heavy_gpus`` heaviest GPUs of every layer; the ``i``-th of them may swap with
+    the lightest GPUs of its domain at ranks ``i, i + heavy_gpus, ...`` (``partner_gpus`` of them), so
+    the swaps of one step touch disjoint GPUs and can be applied together. A swap is applied if it
+    lowers its heavy GPU by more than ``min_gain`` of that GPU's load without raising the partner to
+    that load. A layer stops when its heaviest GPU has no such swap or reaches ``target``.
 
     Args:
         phy2log: ``[L, R]`` expert per slot, modified in place.
         slot_load: ``[L, R]`` load per slot (moves with its slot), modified in place.
         num_gpus: GPUs per layer. gpus_per_domain: swaps stay inside blocks of this many GPUs
             (GPUs per node keeps a hierarchical plan's node assignment); ``None`` = all GPUs.
-        partner_gpus: the heaviest GPU swaps with a slot of one of this many lightest GPUs of its
-            domain (the best partner is almost always among them; fewer candidates = faster steps).
+        heavy_gpus: heavy GPUs improved per step (1 = only the heaviest, for budgeted migration).
+        partner_gpus: light GPUs each heavy GPU may swap with.
         target: ``[L]`` a layer stops once its heaviest GPU is at or below this (e.g. a lower bound).
-        max_steps: cap on iterations. min_gain: a swap is applied only if it lowers the heaviest
-            GPU's load by more than ``min_gain`` times that load.
+        max_steps: cap on iterations. min_gain: see above.
         max_total_moves: cap on changed slots over all layers (a swap changes two); when a step
             would exceed it, the swaps with the largest relative gains go first. ``None`` = no cap.
     Returns:
@@ -111,76 +117,101 @@ def improve_by_swaps(
     num_layers, num_replicas = phy2log.shape
     slots_per_gpu = num_replicas // num_gpus
     domain_size = gpus_per_domain or num_gpus
-    num_partners = min(partner_gpus, domain_size - 1)
+    num_heavy = max(1, min(heavy_gpus, domain_size // 2))
+    num_partners = min(partner_gpus, (domain_size - num_heavy) // num_heavy)
     gpu_domain = np.arange(num_gpus) // domain_size
     moves = np.zeros(num_layers, dtype=np.int64)
     budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
     active = np.full(num_layers, budget >= 2 and num_partners > 0)
     rows = np.arange(num_layers)
     own_offsets = np.arange(slots_per_gpu)
+    partner_ranks = np.arange(num_heavy)[:, None] + num_heavy * np.arange(num_partners)  # [H, P]
     for _ in range(max_steps):
         layers = rows[active]
         if layers.size == 0:
             break
         count = layers.size
-        index = np.arange(count)
         load = slot_load[layers]
         gpu_load = load.reshape(count, num_gpus, slots_per_gpu).sum(axis=2)
-        heavy = gpu_load.argmax(axis=1)
-        heavy_load = gpu_load[index, heavy]
+        heavy = np.argsort(-gpu_load, axis=1, kind="stable")[
+            :, :num_heavy
+        ]  # [A, H], heaviest first
+        heavy_load = np.take_along_axis(gpu_load, heavy, axis=1)
         if target is not None:
-            done = heavy_load <= target[layers]
+            done = heavy_load[:, 0] <= target[layers]
             if done.any():
                 active[layers[done]] = False
                 continue
-        heavy_slots = heavy[:, None] * slots_per_gpu + own_offsets
-        heavy_slot_load = np.take_along_axis(load, heavy_slots, axis=1)
+        heavy_slots = heavy[:, :, None] * slots_per_gpu + own_offsets  # [A, H, S]
         experts = phy2log[layers]
-        heavy_experts = np.take_along_axis(experts, heavy_slots, axis=1)
-
-        outside = (gpu_domain != gpu_domain[heavy][:, None]) | (
-            np.arange(num_gpus) == heavy[:, None]
+        heavy_slot_load = np.take_along_axis(load, heavy_slots.reshape(count, -1), axis=1).reshape(
+            heavy_slots.shape
         )
-        ranked = np.where(outside, np.inf, gpu_load)
-        light = np.argpartition(ranked, num_partners - 1, axis=1)[:, :num_partners]
-        light_load = np.take_along_axis(ranked, light, axis=1)
-        partner_slots = (light[:, :, None] * slots_per_gpu + own_offsets).reshape(count, -1)
-        partner_load = np.take_along_axis(load, partner_slots, axis=1)
-        partner_experts = np.take_along_axis(experts, partner_slots, axis=1)
+        heavy_experts = np.take_along_axis(experts, heavy_slots.reshape(count, -1), axis=1).reshape(
+            heavy_slots.shape
+        )
 
-        delta = heavy_slot_load[:, :, None] - partner_load[:, None, :]
+        is_heavy = np.zeros((count, num_gpus), dtype=bool)
+        np.put_along_axis(is_heavy, heavy, True, axis=1)
+        outside = gpu_domain[None, None, :] != gpu_domain[heavy][:, :, None]  # [A, H, G]
+        ranked = np.where(outside | is_heavy[:, None, :], np.inf, gpu_load[:, None, :])
+        by_lightness = np.argsort(ranked, axis=2, kind="stable")
+        light = np.take_along_axis(
+            by_lightness, np.broadcast_to(partner_ranks, (count, *partner_ranks.shape)), axis=2
+        )
+        light_load = np.take_along_axis(ranked, light, axis=2)  # [A, H, P]
+        partner_slots = (light[..., None] * slots_per_gpu + own_offsets).reshape(
+            count, num_heavy, -1
+        )
+        partner_load = np.take_along_axis(load, partner_slots.reshape(count, -1), axis=1).reshape(
+            partner_slots.shape
+        )
+        partner_experts = np.take_along_axis(
+            experts, partner_slots.reshape(count, -1), axis=1
+        ).reshape(partner_slots.shape)
+
+        delta = heavy_slot_load[..., None] - partner_load[:, :, None, :]  # [A, H, S, P*S]
         pair_max = np.maximum(
-            heavy_load[:, None, None] - delta,
-            np.repeat(light_load, slots_per_gpu, axis=1)[:, None, :] + delta,
+            heavy_load[:, :, None, None] - delta,
+            np.repeat(light_load, slots_per_gpu, axis=2)[:, :, None, :] + delta,
         )
         # A swap must not put an expert on a GPU that already holds it.
-        partner_grid = partner_experts.reshape(count, num_partners, slots_per_gpu)
-        partner_gpu_has = (heavy_experts[:, :, None, None] == partner_grid[:, None, :, :]).any(
+        partner_grid = partner_experts.reshape(count, num_heavy, 1, num_partners, slots_per_gpu)
+        partner_gpu_has = (heavy_experts[..., None, None] == partner_grid).any(
+            axis=4
+        )  # [A, H, S, P]
+        heavy_has = (partner_experts[..., None] == heavy_experts[:, :, None, :]).any(
             axis=3
-        )
-        heavy_has = (partner_experts[:, :, None] == heavy_experts[:, None, :]).any(axis=2)
+        )  # [A, H, P*S]
         allowed = (
             (delta > 0)
-            & ~np.repeat(partner_gpu_has, slots_per_gpu, axis=2)
-            & ~heavy_has[:, None, :]
+            & ~np.repeat(partner_gpu_has, slots_per_gpu, axis=3)
+            & ~heavy_has[:, :, None, :]
         )
-        gain = np.where(allowed, heavy_load[:, None, None] - pair_max, -np.inf).reshape(count, -1)
-        flat_best = gain.argmax(axis=1)
-        best_gain = gain[index, flat_best]
+        gain = np.where(allowed, heavy_load[:, :, None, None] - pair_max, -np.inf).reshape(
+            count, num_heavy, -1
+        )
+        flat_best = gain.argmax(axis=2)  # [A, H]
+        best_gain = np.take_along_axis(gain, flat_best[..., None], axis=2)[..., 0]
         apply = best_gain > min_gain * heavy_load
-        if not apply.any():
-            break
-        chosen = np.flatnonzero(apply)
-        if 2 * chosen.size > budget:
-            relative_gain = best_gain[chosen] / heavy_load[chosen]
-            chosen = chosen[np.argsort(-relative_gain, kind="stable")[: budget // 2]]
-        own_slots = heavy_slots[chosen, flat_best[chosen] // partner_slots.shape[1]]
-        partners = partner_slots[chosen, flat_best[chosen] % partner_slots.shape[1]]
-        swap_layers = layers[chosen]
+        active[layers[~apply[:, 0]]] = False
+        layer_index, heavy_index = np.nonzero(apply)
+        if layer_index.size == 0:
+            continue
+        if 2 * layer_index.size > budget:
+            relative_gain = (
+                best_gain[layer_index, heavy_index] / heavy_load[layer_index, heavy_index]
+            )
+            keep = np.argsort(-relative_gain, kind="stable")[: budget // 2]
+            layer_index, heavy_index = layer_index[keep], heavy_index[keep]
+        best = flat_best[layer_index, heavy_index]
+        per_partner = partner_slots.shape[2]
+        own_slots = heavy_slots[layer_index, heavy_index, best // per_partner]
+        partners = partner_slots[layer_index, heavy_index, best % per_partner]
+        swap_layers = layers[layer_index]
         _swap(phy2log, slot_load, swap_layers, own_slots, partners)
-        moves[swap_layers] += 2
-        budget -= 2 * chosen.size
-        active[layers[~apply]] = False
+        np.add.at(moves, swap_layers, 2)
+        budget -= 2 * layer_index.size
         if budget < 2:
             break
     return moves

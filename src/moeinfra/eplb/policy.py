@@ -218,6 +218,7 @@ def _migrate(
             _slot_loads(load, phy2log, lay),
             lay.num_gpus,
             gpus_per_domain=domain,
+            heavy_gpus=1,  # spend moves only on the heaviest GPU
             partner_gpus=domain,  # a migration is rare: search every partner, fewer moves suffice
             target=target,
             min_gain=min_gain,
