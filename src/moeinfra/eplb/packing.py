@@ -44,15 +44,21 @@ def expand_counts(counts: np.ndarray) -> np.ndarray:
     return np.repeat(experts, counts.ravel()).reshape(num_layers, -1)
 
 
-def round_robin_pack(item_load: np.ndarray, num_bins: int) -> np.ndarray:
+def round_robin_pack(
+    item_load: np.ndarray, num_bins: int, item_group: np.ndarray | None = None
+) -> np.ndarray:
     """Assign items to bins of equal size in rounds: each round gives one item to every bin.
 
     Items are taken in descending load order; in each round the heaviest remaining item goes to the
     currently lightest bin, the next to the next lightest, and so on. With two items per bin this is
     the optimal pairing (largest with smallest).
 
+    With ``item_group`` (e.g. the expert of each replica), a round whose pairing would put an item into
+    a bin that already holds its group is rotated by one to three places (the smallest rotation with
+    the fewest such clashes), so few duplicates are left for the swap search to repair.
+
     Args:
-        item_load: ``[L, n]``, ``n`` a multiple of ``num_bins``.
+        item_load: ``[L, n]``, ``n`` a multiple of ``num_bins``. item_group: ``[L, n]`` or ``None``.
     Returns:
         ``[L, num_bins, n / num_bins]`` item indices per bin.
     """
@@ -60,12 +66,31 @@ def round_robin_pack(item_load: np.ndarray, num_bins: int) -> np.ndarray:
     per_bin = num_items // num_bins
     order = np.argsort(-item_load, axis=1, kind="stable")
     sorted_load = np.take_along_axis(item_load, order, axis=1)
+    sorted_group = None if item_group is None else np.take_along_axis(item_group, order, axis=1)
     bin_load = np.zeros((num_layers, num_bins))
     bins = np.empty((num_layers, num_bins, per_bin), dtype=np.int64)
+    bin_groups = np.empty((num_layers, num_bins, per_bin), dtype=np.int64)
+    rows = np.arange(num_layers)[:, None]
     for round_index in range(per_bin):
         lightest_first = np.argsort(bin_load, axis=1, kind="stable")
         chunk = slice(round_index * num_bins, (round_index + 1) * num_bins)
+        if sorted_group is not None and round_index > 0:
+            groups = sorted_group[:, chunk]
+            shifted = [np.roll(lightest_first, -shift, axis=1) for shift in range(4)]
+            clashes = np.stack(
+                [
+                    (bin_groups[rows, target, :round_index] == groups[:, :, None])
+                    .any(axis=2)
+                    .sum(axis=1)
+                    for target in shifted
+                ]
+            )
+            lightest_first = np.stack(shifted)[clashes.argmin(axis=0), np.arange(num_layers)]
         np.put_along_axis(bins[:, :, round_index], lightest_first, order[:, chunk], axis=1)
+        if sorted_group is not None:
+            np.put_along_axis(
+                bin_groups[:, :, round_index], lightest_first, sorted_group[:, chunk], axis=1
+            )
         np.put_along_axis(
             bin_load,
             lightest_first,

@@ -79,7 +79,7 @@ def _pack_global(load: np.ndarray, counts: np.ndarray, lay: Layout) -> np.ndarra
     """Replicas (``counts [L, E]``) packed in rounds onto all GPUs; ``[L, R]``."""
     slot_expert = expand_counts(counts)
     slot_load = np.take_along_axis(load / counts, slot_expert, axis=1)
-    bins = round_robin_pack(slot_load, lay.num_gpus)
+    bins = round_robin_pack(slot_load, lay.num_gpus, slot_expert)
     return np.take_along_axis(slot_expert, bins.reshape(load.shape[0], -1), axis=1)
 
 
@@ -94,7 +94,7 @@ def _pack_hierarchical(load: np.ndarray, ds_phy2log: np.ndarray, lay: Layout) ->
     counts = replicate_spread(node_load, per_node, lay.gpus_per_node)
     local_expert = expand_counts(counts)
     slot_load = np.take_along_axis(node_load / counts, local_expert, axis=1)
-    bins = round_robin_pack(slot_load, lay.gpus_per_node).reshape(rows, per_node)
+    bins = round_robin_pack(slot_load, lay.gpus_per_node, local_expert).reshape(rows, per_node)
     local_slots = np.take_along_axis(local_expert, bins, axis=1)
     placed = np.take_along_axis(node_experts.reshape(rows, experts_per_node), local_slots, axis=1)
     return placed.reshape(num_layers, lay.num_replicas)
