@@ -1,0 +1,61 @@
+"""Trace analysis: how much communication is hidden behind computation, and where it is not.
+
+Reads PyTorch Profiler (Kineto) Chrome traces without torch. One shared model
+(:mod:`~moeinfra.trace.model`, filled by :mod:`~moeinfra.trace.reader`), one analyzer per question:
+
+- :mod:`~moeinfra.trace.classify`  — compute / communication / memory, ordered anchored rules
+- :mod:`~moeinfra.trace.overlap`   — per-device decomposition (compute + exposed comm + exposed memory + idle = span), SM share
+- :mod:`~moeinfra.trace.attribution` — op -> launch -> innermost annotation; F/B/W phases and phase_overlap
+- :mod:`~moeinfra.trace.kernels`   — kernel statistics
+- :mod:`~moeinfra.trace.diff`      — two traces side by side
+- :mod:`~moeinfra.trace.timeline`  — timeline PNG
+
+Typical use::
+
+    from moeinfra.trace import analyze
+    result = analyze("trace.json", comm_patterns=[r"my_alltoall"])
+    print(result.to_dict()["devices"][0]["comm_hidden_fraction"])
+"""
+
+from moeinfra.trace.attribution import Attribution, attribute, phase_breakdown, region_breakdown
+from moeinfra.trace.classify import (
+    CLASS_NAMES,
+    COMM,
+    COMPUTE,
+    DEFAULT_RULES,
+    MEMORY,
+    Classifier,
+    Rule,
+    classify,
+)
+from moeinfra.trace.diff import TraceDiff, diff_reports
+from moeinfra.trace.kernels import KernelStats, kernel_breakdown
+from moeinfra.trace.model import Trace
+from moeinfra.trace.overlap import Decomposition, decompose
+from moeinfra.trace.reader import read_trace
+from moeinfra.trace.summary import TraceReport, analyze
+
+__all__ = [
+    "CLASS_NAMES",
+    "COMM",
+    "COMPUTE",
+    "DEFAULT_RULES",
+    "MEMORY",
+    "Attribution",
+    "Classifier",
+    "Decomposition",
+    "KernelStats",
+    "Rule",
+    "Trace",
+    "TraceDiff",
+    "TraceReport",
+    "analyze",
+    "attribute",
+    "classify",
+    "decompose",
+    "diff_reports",
+    "kernel_breakdown",
+    "phase_breakdown",
+    "read_trace",
+    "region_breakdown",
+]

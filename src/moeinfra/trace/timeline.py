@@ -1,0 +1,121 @@
+"""Timeline PNG in the style of DeepSeek's overlap figures: one lane per GPU stream, compute and
+communication in different colours, F / B / W phase bands on top and the exposed communication.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.trace import intervals
+from moeinfra.trace.classify import COMM, COMPUTE, MEMORY
+from moeinfra.trace.summary import TraceReport
+
+CLASS_COLOURS = {COMPUTE: "#3b75af", COMM: "#ef8636", MEMORY: "#8c8c8c"}
+PHASE_COLOURS = {"F": "#59a14f", "B": "#b07aa1", "W": "#9c755f"}
+EXPOSED_COLOUR = "#d62728"
+
+
+def plot_timeline(
+    result: TraceReport,
+    out_path: str | Path,
+    *,
+    window_us: tuple[float, float] | None = None,
+    max_devices: int = 4,
+    title: str | None = None,
+) -> Path:
+    """Draw the timeline of ``result`` into the PNG ``out_path`` (written atomically); return the path.
+
+    ``window_us`` = (start, end) in µs from the first GPU op of the trace zooms in; ``max_devices``
+    limits how many (rank, device) pairs get lanes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    trace, classes, attribution = result.trace, result.classes, result.attribution
+    gpu = trace.gpu
+    out_path = Path(out_path)
+    origin = trace.start_ns or 0
+    slices = list(trace.device_slices().items())[:max_devices]
+
+    lanes: list[tuple[str, list[tuple[np.ndarray, np.ndarray, str]]]] = []
+    for (rank, device), rows in slices:
+        prefix = f"r{rank} gpu{device} " if len(slices) > 1 or rank else ""
+        s, e, c = gpu.start_ns[rows], gpu.end_ns[rows], classes[rows]
+        phase = attribution.phase[rows]
+        for i, name in enumerate(attribution.phases):
+            sel = phase == i
+            band = intervals.union(s[sel], e[sel])
+            lanes.append(
+                (f"{prefix}phase {name}", [(band[0], band[1], PHASE_COLOURS.get(name, "#bab0ac"))])
+            )
+        comp = intervals.union(s[c == COMPUTE], e[c == COMPUTE])
+        comm = intervals.union(s[c == COMM], e[c == COMM])
+        if comm[0].size:
+            exposed = intervals.subtract(comm, comp)
+            lanes.append((f"{prefix}exposed comm", [(exposed[0], exposed[1], EXPOSED_COLOUR)]))
+        streams = gpu.stream[rows]
+        for sid in np.unique(streams):
+            sel = streams == sid
+            bars = [
+                (s[sel & (c == code)], e[sel & (c == code)], colour)
+                for code, colour in CLASS_COLOURS.items()
+            ]
+            lanes.append((f"{prefix}stream {int(sid)}", bars))
+
+    height = max(2.5, 0.45 * len(lanes) + 1.2)
+    fig, ax = plt.subplots(figsize=(14, height))
+    for y, (_, bars) in enumerate(reversed(lanes)):
+        for starts, ends, colour in bars:
+            if starts.size == 0:
+                continue
+            xs = (starts - origin) * 1e-3
+            ws = np.maximum((ends - starts) * 1e-3, 0.0)
+            ax.broken_barh(
+                np.stack([xs, ws], axis=1), (y + 0.1, 0.8), facecolors=colour, edgecolor="none"
+            )
+    ax.set_yticks(np.arange(len(lanes)) + 0.5)
+    ax.set_yticklabels([name for name, _ in reversed(lanes)])
+    ax.set_ylim(0, max(len(lanes), 1))
+    if window_us is not None:
+        ax.set_xlim(*window_us)
+    elif len(gpu):
+        ax.set_xlim(0, (int(gpu.end_ns.max()) - origin) * 1e-3)
+    ax.set_xlabel("time since first GPU op (µs)")
+    ax.set_title(title or "GPU timeline: compute vs communication")
+    legend = [
+        Patch(color=CLASS_COLOURS[COMPUTE], label="compute"),
+        Patch(color=CLASS_COLOURS[COMM], label="communication"),
+        Patch(color=CLASS_COLOURS[MEMORY], label="memory"),
+        Patch(color=EXPOSED_COLOUR, label="exposed communication"),
+    ] + [
+        Patch(color=PHASE_COLOURS.get(p, "#bab0ac"), label=f"phase {p}") for p in attribution.phases
+    ]
+    ax.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 if height < 5 else -0.06),
+        ncol=len(legend),
+        fontsize=8,
+        frameon=False,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return out_path

@@ -1,0 +1,74 @@
+"""CLI round trips on hand-built traces: --comm-pattern, folders, bad options."""
+
+from __future__ import annotations
+
+import json
+
+from trace_builders import kernel, write_trace
+from typer.testing import CliRunner
+
+from moeinfra.cli.trace import app
+
+runner = CliRunner()
+
+
+def test_comm_pattern_option_changes_the_classes(tmp_path):
+    path = write_trace(
+        tmp_path / "t.json",
+        [kernel("gemm", 0, 10), kernel("void my::a2a<8>(int)", 5, 10, stream=8)],
+    )
+    plain = json.loads(runner.invoke(app, ["report", str(path), "--json"]).output)
+    extra = json.loads(
+        runner.invoke(app, ["report", str(path), "--json", "--comm-pattern", "my::a2a"]).output
+    )
+    assert plain["devices"][0]["comm_us"] == 0
+    dev = extra["devices"][0]
+    assert dev["comm_us"] == 10 and dev["overlap_us"] == 5 and dev["comm_hidden_fraction"] == 0.5
+    kernels = json.loads(
+        runner.invoke(app, ["kernels", str(path), "--json", "--comm-pattern", "my::a2a"]).output
+    )
+    assert {k["name"]: k["op_class"] for k in kernels["kernels"]}[
+        "void my::a2a<8>(int)"
+    ] == "communication"
+
+
+def test_folder_report_and_empty_trace(tmp_path):
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    for rank in range(2):
+        write_trace(
+            folder / f"r{rank}.json.gz",
+            [kernel("gemm", 0, 10 + rank)],
+            gz=True,
+            distributedInfo={"rank": rank},
+        )
+    doc = json.loads(runner.invoke(app, ["report", str(folder), "--json", "--quiet"]).output)
+    assert [(d["rank"], d["compute_us"]) for d in doc["devices"]] == [(0, 10), (1, 11)]
+    res = runner.invoke(app, ["report", str(folder), "--quiet"])
+    assert res.exit_code == 0 and "all devices" in res.output
+    empty = write_trace(tmp_path / "e.json", [])
+    res = runner.invoke(app, ["report", str(empty)])
+    assert res.exit_code == 0 and "no GPU ops" in res.output
+
+
+def test_bad_zoom_is_an_input_error(tmp_path):
+    path = write_trace(tmp_path / "t.json", [kernel("gemm", 0, 10)])
+    res = runner.invoke(app, ["report", str(path), "-o", str(tmp_path / "x.png"), "--zoom", "9:1"])
+    assert res.exit_code != 0 and "zoom" in str(res.exception)
+
+
+def test_trace_package_never_imports_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_trace(tmp_path / "t.json", [kernel("gemm", 0, 10)])
+    code = (
+        "import sys\n"
+        "from moeinfra.trace import analyze, kernel_breakdown\n"
+        "from moeinfra.trace.timeline import plot_timeline\n"
+        f"r = analyze({str(path)!r})\n"
+        f"plot_timeline(r, {str(tmp_path / 't.png')!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
