@@ -4,12 +4,11 @@ communication in different colours, F / B / W phase bands on top and the exposed
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from moeinfra.atomicio import atomic_path
 from moeinfra.trace import intervals
 from moeinfra.trace.classify import COMM, COMPUTE, MEMORY
 from moeinfra.trace.summary import TraceReport
@@ -107,15 +106,9 @@ def plot_timeline(
     )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(out_path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
     return out_path

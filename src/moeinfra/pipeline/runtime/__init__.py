@@ -1,0 +1,28 @@
+"""torch.distributed runtime: one executor for any Schedule, and DeepSeek-style runners.
+
+This is the only part of :mod:`moeinfra.pipeline` that imports torch.
+"""
+
+from moeinfra.pipeline.runtime.executor import ScheduleExecutor, TensorSpec, run_backward
+from moeinfra.pipeline.runtime.models import (
+    ZB1P,
+    DualPipe,
+    DualPipeV,
+    GPipe,
+    OneFOneB,
+    gather,
+    scatter,
+)
+
+__all__ = [
+    "ZB1P",
+    "DualPipe",
+    "DualPipeV",
+    "GPipe",
+    "OneFOneB",
+    "ScheduleExecutor",
+    "TensorSpec",
+    "gather",
+    "run_backward",
+    "scatter",
+]
