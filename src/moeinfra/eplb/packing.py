@@ -44,6 +44,14 @@ def expand_counts(counts: np.ndarray) -> np.ndarray:
     return np.repeat(experts, counts.ravel()).reshape(num_layers, -1)
 
 
+def _clashes(
+    held: np.ndarray, groups: np.ndarray, target: np.ndarray, layers: np.ndarray
+) -> np.ndarray:
+    """Per layer in ``layers``: items whose group already sits in the bin ``target`` sends them to."""
+    in_bin = held[layers[:, None], target]
+    return (in_bin == groups[layers][:, :, None]).any(axis=2).sum(axis=1)
+
+
 def round_robin_pack(
     item_load: np.ndarray, num_bins: int, item_group: np.ndarray | None = None
 ) -> np.ndarray:
@@ -70,22 +78,20 @@ def round_robin_pack(
     bin_load = np.zeros((num_layers, num_bins))
     bins = np.empty((num_layers, num_bins, per_bin), dtype=np.int64)
     bin_groups = np.empty((num_layers, num_bins, per_bin), dtype=np.int64)
-    rows = np.arange(num_layers)[:, None]
     for round_index in range(per_bin):
         lightest_first = np.argsort(bin_load, axis=1, kind="stable")
         chunk = slice(round_index * num_bins, (round_index + 1) * num_bins)
         if sorted_group is not None and round_index > 0:
+            held = bin_groups[:, :, :round_index]
             groups = sorted_group[:, chunk]
-            shifted = [np.roll(lightest_first, -shift, axis=1) for shift in range(4)]
-            clashes = np.stack(
-                [
-                    (bin_groups[rows, target, :round_index] == groups[:, :, None])
-                    .any(axis=2)
-                    .sum(axis=1)
-                    for target in shifted
+            every = np.arange(num_layers)
+            clashing = every[_clashes(held, groups, lightest_first, every) > 0]
+            if clashing.size:
+                options = [np.roll(lightest_first[clashing], -shift, axis=1) for shift in range(4)]
+                counts = np.stack([_clashes(held, groups, option, clashing) for option in options])
+                lightest_first[clashing] = np.stack(options)[
+                    counts.argmin(axis=0), np.arange(clashing.size)
                 ]
-            )
-            lightest_first = np.stack(shifted)[clashes.argmin(axis=0), np.arange(num_layers)]
         np.put_along_axis(bins[:, :, round_index], lightest_first, order[:, chunk], axis=1)
         if sorted_group is not None:
             np.put_along_axis(
