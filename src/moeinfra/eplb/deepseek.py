@@ -90,6 +90,15 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
+def group_nodes(weight: np.ndarray, num_groups: int, num_nodes: int) -> np.ndarray:
+    """Step 1 of the hierarchical policy alone: ``[L, E]`` node of each expert (its group's pack)."""
+    num_layers, num_logical = weight.shape
+    group_size = num_logical // num_groups
+    tokens_per_group = weight.reshape(num_layers, num_groups, group_size).sum(axis=-1)
+    group_pack, _ = balanced_packing(tokens_per_group, num_nodes)
+    return np.repeat(group_pack, group_size, axis=1)
+
+
 def rebalance_hierarchical(
     weight: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -60,6 +60,18 @@ def _ratio(numerator: np.ndarray, denominator: np.ndarray, empty: float) -> np.n
     return np.where(denominator > 0, numerator / safe, empty)
 
 
+def fanout(served: np.ndarray, groups_per_token: int, experts_per_token: int) -> np.ndarray:
+    """``[L]`` expected nodes per token from ``served [L, groups, nodes]``, the load of each group
+    served on each node (see module doc)."""
+    group_load = served.sum(axis=2)
+    total = group_load.sum(axis=1, keepdims=True)
+    pick_group = np.minimum(1.0, groups_per_token * _ratio(group_load, total, 0.0))
+    share = _ratio(served, group_load[:, :, None], 0.0)
+    per_group_reach = 1.0 - (1.0 - share) ** (experts_per_token / groups_per_token)
+    miss = np.prod(1.0 - pick_group[:, :, None] * per_group_reach, axis=1)
+    return (1.0 - miss).sum(axis=1)
+
+
 def nodes_per_token(
     slot_load: np.ndarray,
     phy2log: np.ndarray,
@@ -80,13 +92,7 @@ def nodes_per_token(
         weights=slot_load.ravel(),
         minlength=num_layers * layout.num_groups * layout.num_nodes,
     ).reshape(num_layers, layout.num_groups, layout.num_nodes)
-    group_load = served.sum(axis=2)
-    total = group_load.sum(axis=1, keepdims=True)
-    pick_group = np.minimum(1.0, groups_per_token * _ratio(group_load, total, 0.0))
-    share = _ratio(served, group_load[:, :, None], 0.0)
-    per_group_reach = 1.0 - (1.0 - share) ** (experts_per_token / groups_per_token)
-    miss = np.prod(1.0 - pick_group[:, :, None] * per_group_reach, axis=1)
-    return (1.0 - miss).sum(axis=1)
+    return fanout(served, groups_per_token, experts_per_token)
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,17 @@ apply only swaps that lower the heaviest GPU by more than ``min_gain`` of its lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from moeinfra.eplb.deepseek import deepseek_arrays, rebalance_hierarchical
+from moeinfra.eplb.deepseek import (
+    deepseek_arrays,
+    group_nodes,
+    rebalance_hierarchical,
+    replicate_experts,
+)
 from moeinfra.eplb.inputs import Layout, check_layout, to_numpy_load
 from moeinfra.eplb.local_search import (
     improve_by_swaps,
@@ -47,7 +53,7 @@ from moeinfra.eplb.local_search import (
     repair_duplicates,
     shift_replicas,
 )
-from moeinfra.eplb.metrics import lower_bound, nodes_per_token
+from moeinfra.eplb.metrics import fanout, lower_bound, nodes_per_token
 from moeinfra.eplb.packing import expand_counts, replicate_spread, round_robin_pack
 from moeinfra.eplb.plan import Plan, count_replicas, make_plan, replica_load
 from moeinfra.errors import InputError
@@ -113,23 +119,62 @@ def _swap_search(
 
 def _never_worse(
     ours: np.ndarray,
-    reference: np.ndarray,
+    reference: Callable[[np.ndarray], np.ndarray],
+    bound: np.ndarray,
     load: np.ndarray,
     lay: Layout,
     domain: int,
     target: np.ndarray,
 ) -> np.ndarray:
-    """Per layer, ``ours`` unless DeepSeek's ``reference`` (swap-improved, else raw) is lighter."""
-    ref_max = _max_gpu_load(load, reference, lay)
-    worse = np.flatnonzero(_max_gpu_load(load, ours, lay) > ref_max)
+    """Per layer, ``ours`` unless DeepSeek's plan (swap-improved, else raw) is lighter.
+
+    ``reference(rows)`` builds DeepSeek's plan for those layers; ``bound [L]`` is a lower bound on
+    its heaviest GPU, so only layers where ours is above the bound need DeepSeek's plan at all.
+    """
+    ours_max = _max_gpu_load(load, ours, lay)
+    unsure = np.flatnonzero(ours_max > bound)
+    if unsure.size == 0:
+        return ours
+    ref = reference(unsure)
+    ref_max = _max_gpu_load(load[unsure], ref, lay)
+    worse = np.flatnonzero(ours_max[unsure] > ref_max)
     if worse.size == 0:
         return ours
-    refined = _swap_search(reference[worse], load[worse], lay, domain, target[worse])
-    keep_refined = _max_gpu_load(load[worse], refined, lay) <= ref_max[worse]
+    refined = _swap_search(ref[worse], load[unsure[worse]], lay, domain, target[unsure[worse]])
+    keep_refined = _max_gpu_load(load[unsure[worse]], refined, lay) <= ref_max[worse]
     result = ours.copy()
-    result[worse] = np.where(keep_refined[:, None], refined, reference[worse])
+    result[unsure[worse]] = np.where(keep_refined[:, None], refined, ref[worse])
     reassign_duplicates(result, load, lay.num_gpus, domain)
     return result
+
+
+def _deepseek_rows(
+    load: np.ndarray, lay: Layout, hierarchical: bool
+) -> Callable[[np.ndarray], np.ndarray]:
+    """``rows -> phy2log`` of DeepSeek's hierarchical (or global) policy for those layers only."""
+    groups, nodes = (lay.num_groups, lay.num_nodes) if hierarchical else (1, 1)
+
+    def build(rows: np.ndarray) -> np.ndarray:
+        weight = load[rows].astype(np.float32)
+        return rebalance_hierarchical(weight, lay.num_replicas, groups, nodes, lay.num_gpus)[0]
+
+    return build
+
+
+def _deepseek_global_bound(load: np.ndarray, lay: Layout) -> np.ndarray:
+    """``[L]`` lower bound on the heaviest GPU of DeepSeek's global plan, from its replica counts.
+
+    The mean GPU load and the largest load per replica; with two slots per GPU, the best pairing of
+    those replicas (largest with smallest), which is optimal for two items per bin.
+    """
+    _, _, counts = replicate_experts(load.astype(np.float32), lay.num_replicas)
+    per_replica = load / counts
+    bound = np.maximum(load.sum(axis=1) / lay.num_gpus, per_replica.max(axis=1))
+    if lay.slots_per_gpu == 2:
+        items = np.sort(np.take_along_axis(per_replica, expand_counts(counts), axis=1), axis=1)
+        pairs = items[:, : lay.num_gpus] + items[:, ::-1][:, : lay.num_gpus]
+        bound = np.maximum(bound, pairs.max(axis=1))
+    return bound
 
 
 def _hierarchical(
@@ -137,14 +182,23 @@ def _hierarchical(
 ) -> np.ndarray:
     domain = lay.gpus_per_node
     ours = _swap_search(_pack_hierarchical(load, ds_hier, lay), load, lay, domain, target)
-    return _never_worse(ours, ds_hier, load, lay, domain, target)
+    return _never_worse(
+        ours, lambda rows: ds_hier[rows], np.zeros(load.shape[0]), load, lay, domain, target
+    )
+
+
+def _global(load: np.ndarray, lay: Layout, counts: np.ndarray, target: np.ndarray) -> np.ndarray:
+    ours = _swap_search(_pack_global(load, counts, lay), load, lay, lay.num_gpus, target)
+    bound = _deepseek_global_bound(load, lay)
+    return _never_worse(
+        ours, _deepseek_rows(load, lay, False), bound, load, lay, lay.num_gpus, target
+    )
 
 
 def _auto(
     load: np.ndarray,
     lay: Layout,
     counts: np.ndarray,
-    ds_hier: np.ndarray,
     target: np.ndarray,
     traffic_weight: float,
     groups_per_token: int,
@@ -152,41 +206,48 @@ def _auto(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, global or hierarchical by the cost in the module doc; returns ``(phy2log, is_global)``.
 
-    The hierarchical candidate keeps DeepSeek's node of every expert, so its node fan-out equals that
-    of DeepSeek's plan and its heaviest GPU is at least its heaviest node / GPUs per node: layers where
-    that lower cost already loses to the global candidate skip building it.
+    DeepSeek's hierarchical plan keeps each group on the node its first step gives it, so its node
+    fan-out follows from that step alone, and its heaviest GPU is at least its heaviest node over the
+    GPUs per node. The full plan (and the hierarchical candidate) is built only for layers where those
+    bounds do not already settle the choice.
     """
+    num_layers = load.shape[0]
     mean = np.maximum(load.sum(axis=1) / lay.num_gpus, 1e-300)
     glob = _swap_search(_pack_global(load, counts, lay), load, lay, lay.num_gpus, target)
     glob_slots = _slot_loads(load, glob, lay)
-    glob_max = glob_slots.reshape(load.shape[0], lay.num_gpus, -1).sum(axis=2).max(axis=1)
-    hier_slots = _slot_loads(load, ds_hier, lay)
+    glob_max = glob_slots.reshape(num_layers, lay.num_gpus, -1).sum(axis=2).max(axis=1)
     glob_fanout = nodes_per_token(glob_slots, glob, lay, groups_per_token, experts_per_token)
-    hier_fanout = nodes_per_token(hier_slots, ds_hier, lay, groups_per_token, experts_per_token)
+
+    expert_node = group_nodes(load.astype(np.float32), lay.num_groups, lay.num_nodes)
+    cell = (np.arange(num_layers)[:, None] * lay.num_nodes + expert_node).ravel()
+    node_load = np.bincount(cell, weights=load.ravel(), minlength=num_layers * lay.num_nodes)
+    node_max = node_load.reshape(num_layers, lay.num_nodes).max(axis=1)
+    group_node = expert_node[:, :: lay.experts_per_group]
+    group_load = load.reshape(num_layers, lay.num_groups, -1).sum(axis=2)
+    served = np.zeros((num_layers, lay.num_groups, lay.num_nodes))
+    np.put_along_axis(served, group_node[:, :, None], group_load[:, :, None], axis=2)
+    hier_fanout = fanout(served, groups_per_token, experts_per_token)
     least = np.maximum(np.minimum(glob_fanout, hier_fanout), 1e-12)
-    ds_max = hier_slots.reshape(load.shape[0], lay.num_gpus, -1).sum(axis=2).max(axis=1)
-    glob_cost = np.where(
-        glob_max <= ds_max,
-        np.maximum(glob_max / mean, traffic_weight * glob_fanout / least),
-        np.inf,
-    )
-    node_max = hier_slots.reshape(load.shape[0], lay.num_nodes, -1).sum(axis=2).max(axis=1)
-    hier_cost_floor = np.maximum(
-        node_max / lay.gpus_per_node / mean, traffic_weight * hier_fanout / least
-    )
-    maybe_hier = np.flatnonzero(hier_cost_floor < glob_cost)
-    is_global = np.ones(load.shape[0], dtype=bool)
+
+    ds_floor = node_max / lay.gpus_per_node
+    glob_cost = np.maximum(glob_max / mean, traffic_weight * glob_fanout / least)
+    hier_cost_floor = np.maximum(ds_floor / mean, traffic_weight * hier_fanout / least)
+    open_rows = np.flatnonzero((glob_max > ds_floor) | (hier_cost_floor < glob_cost))
+    is_global = np.ones(num_layers, dtype=bool)
     result = glob.copy()
-    if maybe_hier.size:
-        rows = maybe_hier
-        hier = _hierarchical(load[rows], lay, ds_hier[rows], target[rows])
-        hier_cost = np.maximum(
-            _max_gpu_load(load[rows], hier, lay) / mean[rows],
-            traffic_weight * hier_fanout[rows] / least[rows],
-        )
-        take = hier_cost < glob_cost[rows]
-        result[rows[take]] = hier[take]
-        is_global[rows[take]] = False
+    if open_rows.size == 0:
+        return result, is_global
+    ds_hier = _deepseek_rows(load, lay, True)(open_rows)
+    sub_load = load[open_rows]
+    glob_ok = glob_max[open_rows] <= _max_gpu_load(sub_load, ds_hier, lay)
+    hier = _hierarchical(sub_load, lay, ds_hier, target[open_rows])
+    hier_cost = np.maximum(
+        _max_gpu_load(sub_load, hier, lay) / mean[open_rows],
+        traffic_weight * hier_fanout[open_rows] / least[open_rows],
+    )
+    take = ~glob_ok | (hier_cost < glob_cost[open_rows])
+    result[open_rows[take]] = hier[take]
+    is_global[open_rows[take]] = False
     return result, is_global
 
 
@@ -297,28 +358,23 @@ def rebalance(
         return make_plan(phy2log, array, lay, previous.policy, {"moves": moved})
 
     layers = array.shape[0]
-    ds_phy2log, _, _, ds_hierarchical = deepseek_arrays(
-        array, num_replicas, num_groups, num_nodes, num_gpus
-    )
     if policy == "deepseek":
+        ds_phy2log, _, _, ds_hierarchical = deepseek_arrays(
+            array, num_replicas, num_groups, num_nodes, num_gpus
+        )
         kind = "hierarchical" if ds_hierarchical else "global"
         return make_plan(ds_phy2log, array, lay, "deepseek", {"layer_policy": [kind] * layers})
     counts = replicate_spread(array, lay.num_replicas, lay.num_gpus)
     target = lower_bound(array, lay.num_replicas, lay.num_gpus, counts=counts) * (1.0 + tolerance)
     if policy == "hierarchical" or (policy == "auto" and hierarchical_ok and lay.num_nodes == 1):
-        phy2log = _hierarchical(array, lay, ds_phy2log, target)
+        ds_hier = _deepseek_rows(array, lay, True)(np.arange(layers))
+        phy2log = _hierarchical(array, lay, ds_hier, target)
         return make_plan(phy2log, array, lay, policy, {"layer_policy": ["hierarchical"] * layers})
-    if policy == "global" or not ds_hierarchical:
-        ds_global = (
-            ds_phy2log
-            if not ds_hierarchical
-            else rebalance_hierarchical(array.astype(np.float32), num_replicas, 1, 1, num_gpus)[0]
-        )
-        ours = _swap_search(_pack_global(array, counts, lay), array, lay, lay.num_gpus, target)
-        phy2log = _never_worse(ours, ds_global, array, lay, lay.num_gpus, target)
+    if policy == "global" or not hierarchical_ok:
+        phy2log = _global(array, lay, counts, target)
         return make_plan(phy2log, array, lay, policy, {"layer_policy": ["global"] * layers})
     phy2log, is_global = _auto(
-        array, lay, counts, ds_phy2log, target, traffic_weight, groups_per_token, experts_per_token
+        array, lay, counts, target, traffic_weight, groups_per_token, experts_per_token
     )
     chosen = ["global" if g else "hierarchical" for g in is_global]
     return make_plan(phy2log, array, lay, policy, {"layer_policy": chosen})
