@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from moeinfra.cli import eplb as eplb_cli
+from moeinfra.cli import moe as moe_cli
 from moeinfra.cli import pipeline as pipeline_cli
 from moeinfra.cli import trace as trace_cli
 
@@ -23,6 +24,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(eplb_cli.app, name="eplb")
+app.add_typer(moe_cli.app, name="moe")
 app.add_typer(pipeline_cli.app, name="pipeline")
 app.add_typer(trace_cli.app, name="trace")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from moeinfra.report import eplb_section, pipeline_section, trace_section
+from moeinfra.report import eplb_section, moe_section, pipeline_section, trace_section
 from moeinfra.report.page import Section, write_report
 
 SectionBuilder = Callable[[Path], Section]
@@ -15,6 +15,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("EPLB", eplb_section.build),
     ("Pipeline", pipeline_section.build),
     ("Trace", trace_section.build),
+    ("MoE", moe_section.build),
 ]
 
 

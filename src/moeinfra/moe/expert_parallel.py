@@ -1,0 +1,259 @@
+"""``ExpertParallelMoE``: a DeepSeek-V3 MoE layer with routed experts spread over ranks.
+
+Tokens stay on their (data-parallel) rank. Each routed copy of a token goes to the rank holding the
+physical replica that :func:`moeinfra.eplb.replica_for_tokens` picks for it (replicas share an expert's
+load evenly), is computed there, and comes back to be summed with its gate weight. The gate and the
+shared expert run locally.
+
+Dispatch and combine are split into issue / wait steps so the overlap schedules can run other work in
+between: :meth:`dispatch` -> :meth:`compute_experts` -> :meth:`combine` -> :meth:`finish_combine`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeinfra.eplb import Plan, migration, replica_for_tokens
+from moeinfra.errors import InputError
+from moeinfra.moe.comm import Communicator, Pending
+from moeinfra.moe.layers import Expert, MoE, combine_pairs
+
+
+@dataclass
+class Routed:
+    """One micro-batch's routed tokens in flight.
+
+    ``order [P]``: pair index (``token * k + j``) of each sent row, rows sorted by slot;
+    ``send_splits [world]``: rows sent to each peer; ``pending``: the dispatch in flight;
+    ``weights [T, k]``; ``recv_splits [world]`` rows received from each peer (known after the wait).
+    """
+
+    order: torch.Tensor
+    weights: torch.Tensor
+    send_splits: list[int]
+    pending: Pending
+    name: str
+    recv_splits: list[int] | None = None
+
+
+def _flat_expert(expert: Expert) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in expert.parameters()])
+
+
+def _load_flat(expert: Expert, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in expert.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class ExpertParallelMoE(nn.Module):
+    """This rank's part of an expert-parallel MoE layer.
+
+    Args:
+        reference: the full MoE (same weights on every rank); this rank keeps the gate, the shared
+            expert and copies of the experts of its physical slots.
+        plan: EPLB plan; ``plan.phy2log[layer]`` places the ``R`` slots, ``R / world_size`` per rank.
+        layer: which row of the plan this layer uses.
+        comm: the rank's :class:`Communicator` (default: one on the default group).
+    """
+
+    def __init__(
+        self, reference: MoE, plan: Plan, layer: int = 0, comm: Communicator | None = None
+    ) -> None:
+        super().__init__()
+        self.config = reference.config
+        self.comm = comm or Communicator()
+        world = self.comm.world_size
+        lay = plan.layout
+        if lay.num_experts != self.config.num_routed_experts:
+            raise InputError(
+                f"plan has num_experts={lay.num_experts}, the MoE has "
+                f"{self.config.num_routed_experts} routed experts"
+            )
+        if lay.num_gpus != world:
+            raise InputError(
+                f"plan is for num_gpus={lay.num_gpus}, the process group has world_size={world}"
+            )
+        if lay.num_replicas % world:
+            raise InputError(
+                f"num_replicas={lay.num_replicas} must be a multiple of world_size={world}"
+            )
+        if not 0 <= layer < plan.num_layers:
+            raise InputError(f"layer={layer} must be in 0..{plan.num_layers - 1}")
+        self.plan, self.layer = plan, layer
+        self.slots_per_rank = lay.num_replicas // world
+        self.gate = copy.deepcopy(reference.gate)
+        self.shared = copy.deepcopy(reference.shared)
+        self.experts = nn.ModuleList(
+            copy.deepcopy(reference.experts[e]) for e in self.local_experts()
+        )
+        self.record_load = False
+        self.load_counts = torch.zeros(self.config.num_routed_experts, dtype=torch.int64)
+        self._token_offset = self.comm.rank
+
+    def local_experts(self) -> list[int]:
+        """Logical expert of each of this rank's slots."""
+        s, r = self.slots_per_rank, self.comm.rank
+        return [int(e) for e in self.plan.phy2log[self.layer, r * s : (r + 1) * s]]
+
+    # ------------------------------------------------------------------ routing and exchange
+    def dispatch(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, name: str = "dispatch"
+    ) -> Routed:
+        """Issue the dispatch of ``x [T, H]`` routed by ``weights, indices [T, k]`` (async)."""
+        num_tokens, top_k = indices.shape
+        world, s = self.comm.world_size, self.slots_per_rank
+        rec = self.comm.recorder
+        with rec.compute(f"{name}.route"):
+            if self.record_load:
+                self.load_counts += torch.bincount(
+                    indices.reshape(-1), minlength=self.config.num_routed_experts
+                ).cpu()
+            # Interleaved global token ids (local index * world + rank) need no exchange and differ
+            # between ranks, so every rank starts each expert's replicas at a different one.
+            token_ids = (
+                torch.arange(num_tokens, dtype=torch.int64, device=indices.device) * world
+                + self._token_offset
+            )
+            slots = replica_for_tokens(self.plan, self.layer, indices, token_ids[:, None])
+            slots = slots.reshape(-1)
+            order = torch.argsort(slots, stable=True)
+            slot_counts = torch.bincount(slots, minlength=world * s)
+        with rec.compute(f"{name}.pack"):
+            send_splits = slot_counts.view(world, s).sum(1).tolist()
+            rows = x[order // top_k]
+        pending = self.comm.dispatch(rows, slot_counts, name)
+        return Routed(order, weights, send_splits, pending, name)
+
+    def compute_experts(self, routed: Routed) -> torch.Tensor:
+        """Wait for the dispatch, run the local experts on the received rows -> ``[N, H]``."""
+        rows, recv_counts = routed.pending.wait()
+        world, s = self.comm.world_size, self.slots_per_rank
+        recv_counts = recv_counts.view(world, s)
+        routed.recv_splits = recv_counts.sum(1).tolist()
+        recv_slot = torch.repeat_interleave(
+            torch.arange(s, device=rows.device).repeat(world), recv_counts.reshape(-1)
+        )
+        out = torch.empty_like(rows)
+        by_slot = torch.argsort(recv_slot, stable=True)
+        counts = recv_counts.sum(0).tolist()
+        start = 0
+        for slot, count in enumerate(counts):
+            if count:
+                idx = by_slot[start : start + count]
+                out[idx] = self.experts[slot](rows[idx])
+                start += count
+        return out
+
+    def combine(self, routed: Routed, expert_out: torch.Tensor, name: str = "combine") -> Pending:
+        """Issue the combine: send expert outputs back to the tokens' ranks (async)."""
+        return self.comm.all_to_all(expert_out, routed.recv_splits, routed.send_splits, name)
+
+    def finish_combine(self, routed: Routed, pending: Pending) -> torch.Tensor:
+        """Wait for the combine and sum each token's copies with its gate weights -> ``[T, H]``."""
+        back, _ = pending.wait()
+        num_tokens, top_k = routed.weights.shape
+        pairs = back.new_empty(num_tokens * top_k, back.shape[-1])
+        pairs[routed.order] = back
+        return combine_pairs(pairs.view(num_tokens, top_k, back.shape[-1]), routed.weights)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x) if self.shared is not None else torch.zeros_like(x)
+
+    def routed_output(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
+        routed = self.dispatch(x, weights, indices)
+        return self.finish_combine(routed, self.combine(routed, self.compute_experts(routed)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` (this rank's tokens, T may be 0) -> routed + shared output ``[T, H]``."""
+        weights, indices = self.gate(x)
+        return self.routed_output(x, weights, indices) + self.shared_output(x)
+
+    # ------------------------------------------------------------------ load and placement
+    def take_load(self, all_reduce: bool = True) -> torch.Tensor:
+        """``[E]`` int64 routed copies per logical expert since the last call (summed over ranks
+        when ``all_reduce``); resets the counter."""
+        counts = self.load_counts.clone()
+        self.load_counts.zero_()
+        if all_reduce and self.comm.distributed and self.comm.world_size > 1:
+            counts = counts.to(self.gate.weight.device)  # NCCL reduces device tensors only
+            dist.all_reduce(counts, group=self.comm.group)
+        return counts.cpu()
+
+    def apply_plan(self, new_plan: Plan) -> int:
+        """Move to ``new_plan``: slots whose expert changes get its weights, from a local copy when
+        this rank already held the expert, else by p2p from the rank
+        :func:`moeinfra.eplb.migration` names. Collective (every rank calls it). Returns the number of
+        expert weight tensors this rank received."""
+        if new_plan.layout != self.plan.layout:
+            raise InputError(f"new_plan layout {new_plan.layout} differs from {self.plan.layout}")
+        rank = self.comm.rank
+        old_local = self.local_experts()
+        transfers = migration(self.plan, new_plan).transfers
+        transfers = transfers[transfers[:, 0] == self.layer]
+        ops, received = [], {}
+        size = _flat_expert(self.experts[0]).numel()
+        dtype = next(self.experts[0].parameters()).dtype
+        device = next(self.experts[0].parameters()).device
+        to_global = (
+            (lambda r: dist.get_global_rank(self.comm.group, r))
+            if self.comm.group is not None
+            else (lambda r: r)
+        )
+        for _, expert, src, dst in transfers.tolist():
+            if src == rank:
+                ops.append(
+                    dist.P2POp(
+                        dist.isend,
+                        _flat_expert(self.experts[old_local.index(expert)]).contiguous(),
+                        to_global(dst),
+                        group=self.comm.group,
+                        tag=expert,
+                    )
+                )
+            if dst == rank:
+                received[expert] = torch.empty(size, dtype=dtype, device=device)
+                ops.append(
+                    dist.P2POp(
+                        dist.irecv,
+                        received[expert],
+                        to_global(src),
+                        group=self.comm.group,
+                        tag=expert,
+                    )
+                )
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        s = self.slots_per_rank
+        new_local = [int(e) for e in new_plan.phy2log[self.layer, rank * s : (rank + 1) * s]]
+        experts = []
+        for expert in new_local:
+            if expert in old_local:
+                experts.append(self.experts[old_local.index(expert)])
+            else:
+                module = copy.deepcopy(self.experts[0])
+                _load_flat(module, received[expert])
+                experts.append(module)
+        # A slot may repeat an expert the rank already holds: distinct modules, same weights.
+        seen: set[int] = set()
+        for i, module in enumerate(experts):
+            if id(module) in seen:
+                experts[i] = copy.deepcopy(module)
+            seen.add(id(module))
+        self.experts = nn.ModuleList(experts)
+        self.plan = new_plan
+        return len(received)
+
+
+def load_matrix(layers: list[ExpertParallelMoE], all_reduce: bool = True) -> np.ndarray:
+    """``[L, E]`` int64 load of every layer since the last call (for ``eplb.LoadEstimator.record``)."""
+    return np.stack([layer.take_load(all_reduce).numpy() for layer in layers])

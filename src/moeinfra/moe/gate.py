@@ -1,0 +1,88 @@
+"""DeepSeek-V3 routing: sigmoid scores, selection bias, group-limited top-k, normalised scaled weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeinfra.errors import InputError
+from moeinfra.moe.config import MoEConfig
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    num_groups: int,
+    groups_per_token: int,
+    scaling_factor: float,
+    scoring: str = "sigmoid",
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``top_k`` experts per token and their weights.
+
+    Scores are ``sigmoid(logits)`` (or softmax). The per-expert ``bias`` is added for *selection
+    only* (auxiliary-loss-free balancing): groups are ranked by the sum of their two best biased
+    scores, the best ``groups_per_token`` groups are kept, and the ``top_k`` best biased scores inside
+    them are chosen. Weights are the *unbiased* scores of the chosen experts, normalised to sum to 1
+    (when ``normalize``) and multiplied by ``scaling_factor``.
+
+    Args:
+        logits: ``[T, E]`` gate logits. bias: ``[E]`` or None.
+    Returns:
+        ``(weights [T, top_k] float, indices [T, top_k] int64)``, indices ordered by biased score.
+    """
+    num_tokens, num_experts = logits.shape
+    if num_experts % num_groups:
+        raise InputError(f"num_groups={num_groups} must divide the {num_experts} experts")
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "softmax":
+        scores = logits.softmax(dim=-1, dtype=torch.float32).to(logits.dtype)
+    else:
+        raise InputError(f"scoring={scoring!r} is not allowed; use 'sigmoid' or 'softmax'")
+    original = scores
+    if bias is not None:
+        scores = scores + bias
+    if num_groups > 1:
+        grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best = group_scores.topk(groups_per_token, dim=-1)[1]
+        drop = torch.ones(num_tokens, num_groups, dtype=torch.bool, device=logits.device)
+        drop.scatter_(1, best, False)
+        scores = grouped.masked_fill(drop.unsqueeze(-1), float("-inf")).flatten(1)
+    indices = scores.topk(top_k, dim=-1)[1]
+    weights = original.gather(1, indices)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scaling_factor, indices
+
+
+class Gate(nn.Module):
+    """The MoE router of DeepSeek-V3.
+
+    Parameters: ``weight [E, H]``; buffer ``bias [E]`` (the selection bias, updated by the
+    auxiliary-loss-free balancing outside the gradient; zero at start).
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_routed_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=config.hidden_size**-0.5)
+        self.register_buffer("bias", torch.zeros(config.num_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, k], indices [T, k])`` (see :func:`route`)."""
+        c = self.config
+        return route(
+            x @ self.weight.t(),
+            self.bias,
+            top_k=c.experts_per_token,
+            num_groups=c.num_expert_groups,
+            groups_per_token=c.groups_per_token,
+            scaling_factor=c.routed_scaling_factor,
+            scoring=c.scoring,
+            normalize=c.norm_topk_prob,
+        )

@@ -1,0 +1,94 @@
+"""Reference (single-process) MoE: SwiGLU experts, shared expert, RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from moeinfra.moe.config import MoEConfig
+from moeinfra.moe.gate import Gate
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Expert(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``; ``[N, H] -> [N, H]``."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def combine_pairs(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over each token's routed copies.
+
+    ``pair_outputs [T, k, H]`` expert outputs, ``weights [T, k]`` -> ``[T, H]``. One fixed
+    reduction order, shared by the reference and the expert-parallel layer.
+    """
+    return (pair_outputs * weights.unsqueeze(-1).to(pair_outputs.dtype)).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """DeepSeek-V3 MoE: gate + ``E`` routed SwiGLU experts + shared expert(s), ``[T, H] -> [T, H]``."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = Gate(config)
+        self.experts = nn.ModuleList(
+            Expert(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.num_routed_experts)
+        )
+        self.shared = (
+            Expert(config.hidden_size, config.num_shared_experts * config.moe_intermediate_size)
+            if config.num_shared_experts
+            else None
+        )
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Routed part for ``x [T, H]`` with routing ``weights, indices [T, k]``; ``[T, H]``."""
+        num_tokens, top_k = indices.shape
+        flat = indices.reshape(-1)
+        outputs = x.new_zeros(num_tokens * top_k, x.shape[-1])
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.config.num_routed_experts).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                pairs = order[start : start + count]
+                outputs[pairs] = self.experts[expert](x[pairs // top_k])
+                start += count
+        return combine_pairs(outputs.view(num_tokens, top_k, x.shape[-1]), weights)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x) if self.shared is not None else torch.zeros_like(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` -> routed + shared output ``[T, H]``."""
+        weights, indices = self.gate(x)
+        return self.routed(x, weights, indices) + self.shared_output(x)
+
+    def expert_counts(self, x: torch.Tensor) -> torch.Tensor:
+        """``[E]`` int64 routed copies per expert for ``x [T, H]``."""
+        return torch.bincount(self.gate(x)[1].reshape(-1), minlength=self.config.num_routed_experts)
+
+
+def build_moe(config: MoEConfig, seed: int = 0) -> MoE:
+    """A reference MoE with weights drawn from ``seed`` (the same on every rank)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return MoE(config)

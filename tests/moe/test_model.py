@@ -1,0 +1,194 @@
+"""Single-process model pieces: config presets, gate routing rule, MoE, MLA, decoder stages."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeinfra.eplb import rebalance
+from moeinfra.errors import InputError
+from moeinfra.moe.block import build_decoder
+from moeinfra.moe.config import MoEConfig, deepseek_v3, preset, tiny
+from moeinfra.moe.expert_parallel import ExpertParallelMoE
+from moeinfra.moe.gate import route
+from moeinfra.moe.layers import build_moe
+from moeinfra.moe.mla import KVCache, Segment, positions_of
+from moeinfra.moe.runtime import ExpertParallelDecoder
+
+
+def test_deepseek_v3_preset_matches_published_config():
+    c = deepseek_v3()
+    assert (c.hidden_size, c.moe_intermediate_size) == (7168, 2048)
+    assert (c.num_routed_experts, c.num_shared_experts, c.experts_per_token) == (256, 1, 8)
+    assert (c.num_expert_groups, c.groups_per_token) == (8, 4)
+    assert c.routed_scaling_factor == 2.5 and c.scoring == "sigmoid"
+    assert (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank) == (128, 1536, 512)
+    assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (128, 64, 128)
+    assert preset("tiny") == tiny()
+
+
+def test_deepseek_v3_parameter_count_is_671b():
+    # 58 MoE layers + 3 dense layers (intermediate 18432) + embedding and output head (vocab 129,280).
+    c = deepseek_v3()
+    moe_layer = c.parameter_count()
+    attention = (
+        moe_layer - (c.num_routed_experts + 1) * 3 * 7168 * 2048 - c.num_routed_experts * 7168
+    )
+    total = 58 * moe_layer + 3 * (attention + 3 * 7168 * 18432) + 2 * 129_280 * 7168
+    assert round(total / 1e9) == 671
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"groups_per_token": 5}, "groups_per_token=5 must be <= num_expert_groups=4"),
+        (
+            {"num_routed_experts": 18},
+            "num_routed_experts=18 must be a multiple of num_expert_groups=4",
+        ),
+        ({"experts_per_token": 9}, "experts_per_token=9 must be <= groups_per_token"),
+        ({"scoring": "relu"}, "scoring='relu'"),
+        ({"hidden_size": 0}, "hidden_size=0"),
+        ({"qk_rope_head_dim": 3}, "qk_rope_head_dim=3"),
+        (
+            {"num_expert_groups": 16, "groups_per_token": 4, "experts_per_token": 4},
+            "needs >= 2 experts",
+        ),
+    ],
+)
+def test_bad_configs_rejected(changes, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        tiny().replace(**changes)
+    with pytest.raises(InputError, match="preset='big'"):
+        preset("big")
+
+
+def _route_by_hand(logits, bias, top_k, groups, groups_per_token, scale):
+    """The routing rule written out token by token."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    n, e = scores.shape
+    per_group = e // groups
+    weights, indices = [], []
+    for t in range(n):
+        biased = scores[t] + bias
+        group_score = [
+            sum(sorted(biased[g * per_group : (g + 1) * per_group])[-2:]) for g in range(groups)
+        ]
+        keep = sorted(range(groups), key=lambda g: -group_score[g])[:groups_per_token]
+        allowed = [i for i in range(e) if i // per_group in keep]
+        chosen = sorted(allowed, key=lambda i: -biased[i])[:top_k]
+        w = np.array([scores[t, i] for i in chosen])
+        weights.append(w / w.sum() * scale)
+        indices.append(chosen)
+    return np.array(weights), np.array(indices)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    groups_cfg=st.sampled_from([(8, 4, 8, 64), (4, 2, 4, 16), (1, 1, 3, 10), (8, 8, 6, 32)]),
+    bias_scale=st.sampled_from([0.0, 0.1, 2.0]),
+)
+def test_gate_matches_reimplementation(seed, groups_cfg, bias_scale):
+    groups, per_token, top_k, experts = groups_cfg
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(7, experts)).astype(np.float32)
+    bias = (rng.normal(size=experts) * bias_scale).astype(np.float32)
+    w, i = route(
+        torch.from_numpy(logits),
+        torch.from_numpy(bias),
+        top_k=top_k,
+        num_groups=groups,
+        groups_per_token=per_token,
+        scaling_factor=2.5,
+    )
+    w_ref, i_ref = _route_by_hand(logits, bias.astype(np.float64), top_k, groups, per_token, 2.5)
+    assert np.array_equal(i.numpy(), i_ref)
+    np.testing.assert_allclose(w.numpy(), w_ref, rtol=1e-5)
+    np.testing.assert_allclose(w.sum(-1).numpy(), 2.5, rtol=1e-5)
+
+
+def test_bias_selects_but_does_not_weigh():
+    logits = torch.zeros(5, 16)
+    bias = torch.zeros(16)
+    bias[[3, 9]] = 1.0
+    w, i = route(logits, bias, top_k=2, num_groups=4, groups_per_token=2, scaling_factor=1.0)
+    assert sorted(i[0].tolist()) == [3, 9]
+    assert torch.allclose(w, torch.full((5, 2), 0.5))  # unbiased scores are all sigmoid(0)
+
+
+def test_group_limit_excludes_other_groups():
+    # Expert 0 has the best single score, but its group's top-2 sum is the worst.
+    logits = torch.full((1, 8), -5.0)
+    logits[0, 0] = 5.0
+    logits[0, 2:8] = 2.0
+    w, i = route(logits, None, top_k=2, num_groups=4, groups_per_token=2, scaling_factor=1.0)
+    assert 0 not in i[0].tolist()
+
+
+def test_moe_matches_dense_loop():
+    c = tiny()
+    moe = build_moe(c, seed=3)
+    x = torch.randn(20, c.hidden_size)
+    with torch.no_grad():
+        w, idx = moe.gate(x)
+        dense = torch.stack(
+            [
+                sum(
+                    w[t, j] * moe.experts[int(idx[t, j])](x[t : t + 1])[0]
+                    for j in range(c.experts_per_token)
+                )
+                for t in range(20)
+            ]
+        ) + moe.shared(x)
+        assert torch.allclose(moe(x), dense, atol=1e-5)
+        assert moe(x[:0]).shape == (0, c.hidden_size)
+
+
+def test_mla_is_causal_and_split_sequences_read_the_cache():
+    c = tiny()
+    block = build_decoder(c).blocks[0]
+    x = torch.randn(30, c.hidden_size)
+    with torch.no_grad():
+        full = block.attn(x, [Segment(0, 0, 30)])
+        prefix = block.attn(x[:12], [Segment(0, 0, 12)])
+        assert torch.allclose(full[:12], prefix, atol=1e-6)  # later tokens do not leak back
+        cache = KVCache()
+        a = block.attn.attend(
+            block.attn.project(x[:12], positions_of([Segment(0, 0, 12)])),
+            [Segment(0, 0, 12)],
+            cache,
+        )
+        b = block.attn.attend(
+            block.attn.project(x[12:], positions_of([Segment(0, 12, 18)])),
+            [Segment(0, 12, 18)],
+            cache,
+        )
+        assert torch.allclose(torch.cat([a, b]), full, atol=1e-5)
+
+
+def test_single_process_expert_parallel_equals_reference():
+    c = tiny()
+    decoder = build_decoder(c, seed=1)
+    plan = rebalance(np.random.default_rng(0).random((c.num_layers, 16)), 20, 4, 1, 1)
+    model = ExpertParallelDecoder(decoder, plan)
+    segments = [Segment(0, 0, 37), Segment(1, 0, 20), Segment(2, 0, 43)]
+    x = torch.randn(100, c.hidden_size)
+    with torch.no_grad():
+        ref = decoder(x, segments)
+    for mode in ("none", "prefill", "decode"):
+        assert (model(x, segments, mode) - ref).abs().max() <= 1e-5, mode
+    moe = build_moe(c)
+    ep = ExpertParallelMoE(moe, rebalance(np.ones((1, 16)), 16, 4, 1, 1))
+    with torch.no_grad():
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)
+    with pytest.raises(InputError, match="plan has 1 layers"):
+        ExpertParallelDecoder(decoder, rebalance(np.ones((1, 16)), 16, 4, 1, 1))
+    with pytest.raises(InputError, match="num_experts=8"):
+        ExpertParallelMoE(moe, rebalance(np.ones((1, 8)), 8, 4, 1, 1))
+
+
+def test_config_dict_round_trip():
+    c = tiny()
+    assert MoEConfig(**c.to_dict()) == c
