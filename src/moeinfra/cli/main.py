@@ -14,6 +14,7 @@ import typer
 from moeinfra.cli import eplb as eplb_cli
 from moeinfra.cli import moe as moe_cli
 from moeinfra.cli import pipeline as pipeline_cli
+from moeinfra.cli import serve as serve_cli
 from moeinfra.cli import trace as trace_cli
 
 app = typer.Typer(
@@ -26,12 +27,15 @@ app = typer.Typer(
 app.add_typer(eplb_cli.app, name="eplb")
 app.add_typer(moe_cli.app, name="moe")
 app.add_typer(pipeline_cli.app, name="pipeline")
+app.add_typer(serve_cli.app, name="serve")
 app.add_typer(trace_cli.app, name="trace")
 
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("report"), "--out", "-o", help="Folder for index.html and figures."),
+    out: Path = typer.Option(
+        Path("report"), "--out", "-o", help="Folder for index.html and figures."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
     """Run every capability on built-in defaults and write an HTML report with figures."""

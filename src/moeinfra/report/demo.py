@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from moeinfra.report import eplb_section, moe_section, pipeline_section, trace_section
+from moeinfra.report import (
+    eplb_section,
+    moe_section,
+    pipeline_section,
+    serving_section,
+    trace_section,
+)
 from moeinfra.report.page import Section, write_report
 
 SectionBuilder = Callable[[Path], Section]
@@ -16,6 +22,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("Pipeline", pipeline_section.build),
     ("Trace", trace_section.build),
     ("MoE", moe_section.build),
+    ("Serving", serving_section.build),
 ]
 
 
@@ -25,7 +32,9 @@ def build_demo_report(out_dir: Path, *, quiet: bool = False) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = []
-    for name, builder in tqdm(SECTION_BUILDERS, desc="report", disable=quiet or None, unit="section"):
+    for name, builder in tqdm(
+        SECTION_BUILDERS, desc="report", disable=quiet or None, unit="section"
+    ):
         if not quiet:
             tqdm.write(f"building {name} section")
         sections.append(builder(out_dir))

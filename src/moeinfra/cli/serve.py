@@ -1,0 +1,304 @@
+"""``moeinfra serve``: simulate a prefill/decode fleet, plan capacity, show the performance model."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moeinfra.errors import InputError
+
+app = typer.Typer(
+    help="Inference fleet: simulate a day, plan capacity, per-layer performance model.",
+    no_args_is_help=True,
+)
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
+
+
+def parse_duration_s(text: str, name: str) -> float:
+    """``"2s"``, ``"50ms"``, ``"0.5"`` (seconds) -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise InputError(f"{name}={text!r} must be a duration like 2s, 50ms or 0.5")
+    value = float(match.group(1))
+    return value / 1e3 if match.group(2) == "ms" else value
+
+
+def _load_workload(path: Path, skip_bad: bool, hit_ratio: float):
+    from moeinfra.serving.workload import read_trace
+
+    workload, bad = read_trace(path, skip_bad=skip_bad, hit_ratio=hit_ratio)
+    if bad:
+        typer.echo(f"skipped {bad} bad line(s) in {path}", err=True)
+    return workload, bad
+
+
+def format_figure(value: float | None) -> str:
+    """Readable figure: 606.8B, 87,072, 5.449 (n/a for a missing value)."""
+    if value is None or value != value:
+        return "n/a"
+    if abs(value) >= 1e9:
+        return f"{value / 1e9:,.1f}B"
+    if abs(value) >= 1e4:
+        return f"{value:,.0f}"
+    return f"{value:,.4g}"
+
+
+def _hourly_csv(rows: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+@app.command("simulate")
+def simulate_cmd(
+    scenario: str = typer.Option("deepseek-v3-day", "--scenario", help="Scenario preset."),
+    workload: Path | None = typer.Option(
+        None, "--workload", help="Trace to replay (.jsonl Mooncake-style, .csv Azure-style)."
+    ),
+    hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    hours: float | None = typer.Option(
+        None, "--hours", help="Simulate only the first HOURS of the generated day."
+    ),
+    scale: float = typer.Option(
+        100.0, "--scale", help="Real requests per simulated request (generated workload)."
+    ),
+    fleet: str | None = typer.Option(
+        None, "--fleet", help="deepseek (published node curve) or auto (target utilisation)."
+    ),
+    balancer: str = typer.Option(
+        "deepseek", "--balancer", help="deepseek or baseline (round robin / least requests)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Workload seed."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count bad trace lines."),
+    hit_ratio: float = typer.Option(
+        0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Folder for result.json, hourly.csv and requests.npz."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Simulate a fleet over a day (default: DeepSeek's published day) and report cost and latency."""
+    from tqdm import tqdm
+
+    from moeinfra.serving.scenario import build_scenario, published_vs_simulated
+    from moeinfra.serving.simulate import SimConfig
+
+    trace, bad = (None, 0)
+    if workload is not None:
+        trace, bad = _load_workload(workload, skip_bad, hit_ratio)
+    built = build_scenario(
+        scenario,
+        workload=trace,
+        hardware_name=hardware,
+        hours=hours,
+        scale=scale,
+        seed=seed,
+        fleet=fleet,
+    )
+    total_s = built.schedule.duration_s
+    show = not quiet and sys.stderr.isatty()
+    with tqdm(
+        total=round(total_s / 3600.0, 2), unit="h", desc="simulated", disable=not show
+    ) as bar:
+        last = [0.0]
+
+        def progress(t_s: float) -> None:
+            step = round(t_s / 3600.0, 2) - last[0]
+            if step > 0:
+                bar.update(step)
+                last[0] += step
+
+        result = built.run(SimConfig(balancer=balancer), progress=progress)
+    payload = result.to_dict()
+    payload["scenario"] = scenario
+    payload["hardware"] = hardware
+    payload["workload"] = str(workload) if workload else built.workload.name
+    if workload is not None:
+        payload["bad_lines_skipped"] = bad
+    if out is not None:
+        from moeinfra.atomicio import atomic_path, write_text_atomic
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "result.json", json.dumps(payload, indent=2))
+        write_text_atomic(out / "hourly.csv", _hourly_csv(result.hourly))
+        with atomic_path(out / "requests.npz") as tmp:
+            np.savez_compressed(
+                tmp,
+                status=result.status,
+                reason=result.reason,
+                ttft_s=result.ttft_s,
+                tpot_s=result.tpot_s,
+                finish_s=result.finish_s,
+                arrival_s=built.workload.arrival_s,
+                input_tokens=built.workload.input_tokens,
+                output_tokens=built.workload.output_tokens,
+                cached_tokens=built.workload.cached_tokens,
+                scale=np.array(result.scale),
+            )
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    console = Console()
+    table = Table(title=f"{payload['workload']} on {hardware} ({payload['hours']:.2f} h)")
+    table.add_column("figure")
+    table.add_column("simulated", justify="right")
+    if workload is None and hours is None:
+        table.add_column("published", justify="right")
+        table.add_column("difference", justify="right")
+        for label, published, simulated, diff in published_vs_simulated(result.totals):
+            table.add_row(label, format_figure(simulated), format_figure(published), f"{diff:+.1%}")
+    else:
+        for key in (
+            "avg_nodes",
+            "peak_nodes",
+            "cost_usd",
+            "input_tokens",
+            "output_tokens",
+            "revenue_usd",
+            "margin",
+            "prefill_tokens_per_s_per_node",
+            "decode_tokens_per_s_per_node",
+            "mean_output_tokens_per_s",
+        ):
+            table.add_row(key, format_figure(payload[key]))
+    console.print(table)
+    req = payload["requests"]
+    console.print(
+        f"requests: {req['arrived']:,.0f} arrived = {req['completed']:,.0f} completed + "
+        f"{req['running']:,.0f} running + {req['rejected']:,.0f} rejected; "
+        f"TTFT p95 {payload['ttft_s'].get('p95', float('nan')):.3f} s, "
+        f"TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms"
+    )
+
+
+@app.command("plan")
+def plan_cmd(
+    workload: Path = typer.Option(..., "--workload", help="Trace (.jsonl or .csv)."),
+    slo_ttft_p95: str = typer.Option("2s", "--slo-ttft-p95", help="TTFT p95 target, e.g. 2s."),
+    slo_tpot: str = typer.Option(
+        "50ms", "--slo-tpot", help="Time per output token p95 target, e.g. 50ms."
+    ),
+    hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count bad trace lines."),
+    hit_ratio: float = typer.Option(
+        0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Cheapest fixed fleet (units and EP degree / redundant experts) meeting the SLOs."""
+    from moeinfra.serving.planner import plan_capacity
+
+    trace, _ = _load_workload(workload, skip_bad, hit_ratio)
+    result = plan_capacity(
+        trace,
+        slo_ttft_p95_s=parse_duration_s(slo_ttft_p95, "--slo-ttft-p95"),
+        slo_tpot_p95_s=parse_duration_s(slo_tpot, "--slo-tpot"),
+        hw=hardware,
+    )
+    payload = result.to_dict()
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    table = Table(title=f"candidates for {workload} ({payload['hours']:.2f} h)")
+    for col in ("phase", "nodes/unit", "redundant", "units", "p95 (s)", "meets SLO", "cost USD"):
+        table.add_column(col, justify="right")
+    for o in result.options:
+        table.add_row(
+            o.phase,
+            str(o.nodes),
+            str(o.redundant_experts),
+            str(o.units),
+            f"{o.metric_s:.4f}",
+            "yes" if o.meets_slo else "no",
+            f"{o.cost_usd:,.2f}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"cheapest: {result.prefill.units} x {result.prefill.nodes}-node prefill + "
+        f"{result.decode.units} x {result.decode.nodes}-node decode = {result.nodes} nodes, "
+        f"${result.cost_usd:,.2f}"
+    )
+
+
+@app.command("model")
+def model_cmd(
+    phase: str = typer.Option("decode", "--phase", help="prefill or decode."),
+    hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    nodes: int | None = typer.Option(None, "--nodes", help="Nodes per unit (default 4 / 18)."),
+    redundant: int = typer.Option(32, "--redundant-experts", help="Redundant expert slots."),
+    tokens_per_gpu: int = typer.Option(16_384, "--tokens-per-gpu", help="Prefill tokens per GPU."),
+    batch: float = typer.Option(64.0, "--batch", help="Decode requests per GPU."),
+    kv: float = typer.Option(4_989.0, "--kv", help="Decode mean KV length (tokens)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Per-layer time breakdown of one step of one prefill or decode unit."""
+    from moeinfra.serving.perfmodel import PerfModel
+    from moeinfra.serving.specs import Deployment
+    from moeinfra.serving.specs import hardware as hardware_spec
+
+    if phase not in ("prefill", "decode"):
+        raise InputError(f"--phase {phase!r} must be prefill or decode")
+    hw = hardware_spec(hardware)
+    dep = Deployment(
+        phase, nodes or (4 if phase == "prefill" else 18), redundant, tokens_per_gpu=tokens_per_gpu
+    )
+    perf = PerfModel(dep, hw)
+    if phase == "prefill":
+        b = perf.prefill_breakdown()
+        tokens_per_s = b.tokens_per_gpu * perf.gpus / b.step_s
+    else:
+        b = perf.decode_breakdown(batch, kv)
+        tokens_per_s = batch * perf.gpus / b.step_s
+    payload = {
+        "phase": phase,
+        "hardware": hardware,
+        "nodes": dep.nodes,
+        "gpus": perf.gpus,
+        "step_ms": b.step_s * 1e3,
+        "head_ms": b.head_s * 1e3,
+        "tokens_per_gpu": b.tokens_per_gpu,
+        "tokens_per_s_per_node": tokens_per_s / dep.nodes,
+        "expert_imbalance": perf.balance.imbalance,
+        "kv_capacity_tokens_per_gpu": perf.kv_capacity_tokens_per_gpu,
+        "layers": b.rows(),
+    }
+    if phase == "decode":
+        payload["output_tokens_per_s_per_request"] = 1.0 / b.step_s
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    table = Table(
+        title=f"{phase} step on {dep.nodes} x {hardware}: {b.step_s * 1e3:.2f} ms, "
+        f"{payload['tokens_per_s_per_node']:,.0f} tokens/s per node"
+    )
+    m = perf.model
+    dense_i, moe_i = 0, m.num_dense_layers
+    table.add_column("ms per layer (both micro-batches)")
+    columns = []
+    if m.num_dense_layers:
+        table.add_column(f"dense x{m.num_dense_layers}", justify="right")
+        columns.append(dense_i)
+    if m.num_moe_layers:
+        table.add_column(f"MoE x{m.num_moe_layers}", justify="right")
+        columns.append(moe_i)
+    series = dict(b.parts) | {"compute path": b.compute, "comm path": b.comm, "layer": b.layer}
+    for name, values in series.items():
+        table.add_row(name, *(f"{values[i] * 1e3:.3f}" for i in columns))
+    console = Console()
+    console.print(table)
+    console.print(f"head {b.head_s * 1e3:.3f} ms; expert imbalance {perf.balance.imbalance:.3f}")

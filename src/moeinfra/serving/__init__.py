@@ -1,0 +1,76 @@
+"""Serving a DeepSeek-V3-style MoE model: prefill/decode-disaggregated fleet, from kernels to dollars.
+
+* :mod:`~moeinfra.serving.specs` — :class:`ModelSpec`, :class:`HardwareSpec`, :class:`Deployment`
+  and their presets; the expert imbalance of a unit from an EPLB plan.
+* :mod:`~moeinfra.serving.perfmodel` — per-layer, per-step time of a unit (:class:`PerfModel`).
+* :mod:`~moeinfra.serving.workload` — :class:`Workload`, the day generator and trace replay.
+* :mod:`~moeinfra.serving.balancers` — prefill/decode load balancers and their baselines.
+* :mod:`~moeinfra.serving.schedule` — units over time (DeepSeek's node curve, target utilisation).
+* :mod:`~moeinfra.serving.simulate` — the fleet simulator; :mod:`~moeinfra.serving.scenario` — presets.
+* :mod:`~moeinfra.serving.cost` — cost, theoretical revenue, margin; :mod:`~moeinfra.serving.planner`.
+
+No torch anywhere in this package. Formulas and method: docs/serving-model.md.
+"""
+
+from moeinfra.serving.balancers import (
+    DecodeLoadBalancer,
+    LeastRequests,
+    PrefillLoadBalancer,
+    RoundRobin,
+)
+from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
+from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, Efficiency, PerfModel
+from moeinfra.serving.planner import CapacityPlan, plan_capacity
+from moeinfra.serving.scenario import SCENARIOS, Scenario, build_scenario
+from moeinfra.serving.schedule import FleetSchedule, deepseek_day_schedule, utilisation_schedule
+from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
+from moeinfra.serving.specs import (
+    DEEPSEEK_V3,
+    HARDWARE,
+    Deployment,
+    HardwareSpec,
+    ModelSpec,
+    deepseek_decode_unit,
+    deepseek_prefill_unit,
+    hardware,
+)
+from moeinfra.serving.workload import LengthModel, Workload, deepseek_day, generate, read_trace
+
+__all__ = [
+    "DEEPSEEK_V3",
+    "DEFAULT_EFFICIENCY",
+    "HARDWARE",
+    "R1_PRICES",
+    "SCENARIOS",
+    "CapacityPlan",
+    "DecodeLoadBalancer",
+    "Deployment",
+    "Efficiency",
+    "FleetSchedule",
+    "HardwareSpec",
+    "LeastRequests",
+    "LengthModel",
+    "ModelSpec",
+    "PerfModel",
+    "PrefillLoadBalancer",
+    "Prices",
+    "RoundRobin",
+    "Scenario",
+    "SimConfig",
+    "SimulationResult",
+    "Workload",
+    "build_scenario",
+    "deepseek_day",
+    "deepseek_day_schedule",
+    "deepseek_decode_unit",
+    "deepseek_prefill_unit",
+    "fleet_cost_usd",
+    "generate",
+    "hardware",
+    "margin",
+    "plan_capacity",
+    "read_trace",
+    "revenue_usd",
+    "simulate",
+    "utilisation_schedule",
+]

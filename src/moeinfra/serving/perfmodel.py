@@ -1,0 +1,386 @@
+"""Per-layer, per-step time of a prefill or decode unit (formulas in docs/serving-model.md).
+
+Every operation is a roofline: ``max(FLOPs / (peak * efficiency), bytes / (bandwidth * efficiency))``.
+A layer runs two micro-batches; it costs ``max(compute path, communication path)`` (dual micro-batch
+overlap in prefill, the 5-stage pipeline in decode), plus the non-overlapped head. The routed-expert
+GEMMs and the dispatch/combine receive volume are multiplied by the EPLB expert imbalance of the unit.
+
+The achieved-efficiency factors in :class:`Efficiency` are few, derived from DeepSeek's published kernel
+figures, and shared by every scenario.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeinfra.errors import InputError
+from moeinfra.serving.specs import (
+    DEEPSEEK_V3,
+    Deployment,
+    ExpertBalance,
+    HardwareSpec,
+    ModelSpec,
+    expert_balance,
+)
+
+DISPATCH_BYTES_PER_TOKEN = 7_392  # 7,168 FP8 values + 56 float32 scales, per destination
+COMBINE_BYTES_PER_TOKEN = 14_336  # 7,168 BF16 values, per destination
+
+
+def _interp_ep(table: dict[int, float], ep: int) -> float:
+    """Value of a table keyed by EP degree at ``ep`` (log-linear between keys, clamped outside)."""
+    keys = np.array(sorted(table), dtype=np.float64)
+    values = np.array([table[int(k)] for k in keys])
+    return float(np.interp(np.log2(ep), np.log2(keys), values))
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak, each from a published kernel figure on H800 (see docs).
+
+    gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682.
+    attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586.
+    memory: FlashMLA 3,000 of 3,350 GB/s -> 0.896 (all HBM-bound reads).
+    nvlink: DeepEP intranode 153 of 160 GB/s -> 0.956.
+    prefill_compute_sms: 108 of 132 SMs compute while 24 run the all-to-all (prefill only).
+    rdma_normal_gb_per_s: DeepEP normal kernels' RDMA bottleneck bandwidth by EP degree
+        (dispatch, combine), GB/s, on a 50 GB/s NIC; scaled by the NIC speed for other hardware.
+    ll_latency_us_128: DeepEP low-latency kernels (dispatch, combine) for 128 tokens by EP degree;
+        scaled linearly with tokens (they are bandwidth-bound at this size) and by NIC speed.
+    comm_launch_s: fixed cost of one all-to-all call (kernel launch + RDMA round trip).
+    memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
+    """
+
+    gemm: float = 1350.0 / 1979.0
+    attention_compute: float = 580.0 / 989.0
+    memory: float = 3000.0 / 3350.0
+    nvlink: float = 153.0 / 160.0
+    prefill_compute_sms: float = 108.0 / 132.0
+    rdma_normal_gb_per_s: dict[int, tuple[float, float]] = field(
+        default_factory=lambda: {16: (43.0, 43.0), 32: (58.0, 57.0), 64: (51.0, 50.0)}
+    )
+    ll_latency_us_128: dict[int, tuple[float, float]] = field(
+        default_factory=lambda: {
+            8: (77.0, 114.0),
+            16: (118.0, 195.0),
+            32: (155.0, 273.0),
+            64: (173.0, 314.0),
+            128: (192.0, 369.0),
+            256: (194.0, 360.0),
+        }
+    )
+    comm_launch_s: float = 10e-6
+    memory_usable: float = 0.9
+
+    def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
+        return hash(repr(self))
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+PARTS = ("attn_proj", "core_attn", "shared", "routed", "gate", "dense_mlp", "dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class LayerBreakdown:
+    """Per-layer seconds of one step, per part (``parts[name]`` is ``[layers]``), and totals.
+
+    ``compute`` / ``comm``: ``[layers]`` sums over both micro-batches; ``layer``: max of the two;
+    ``step_s``: sum over layers plus ``head_s``. ``tokens``: tokens the unit processes in the step.
+    """
+
+    phase: str
+    parts: dict[str, np.ndarray]
+    compute: np.ndarray
+    comm: np.ndarray
+    layer: np.ndarray
+    head_s: float
+    step_s: float
+    tokens_per_gpu: float
+
+    def rows(self) -> list[dict[str, float]]:
+        """One dict per layer (milliseconds) for tables and JSON."""
+        out = []
+        for i in range(self.layer.size):
+            row = {"layer": i}
+            row.update({name: float(v[i]) * 1e3 for name, v in self.parts.items()})
+            row.update(
+                compute_ms=float(self.compute[i]) * 1e3,
+                comm_ms=float(self.comm[i]) * 1e3,
+                layer_ms=float(self.layer[i]) * 1e3,
+            )
+            out.append(row)
+        return out
+
+
+def _overlapped(mb: int, attention, mlp, dispatch, combine):
+    """Seconds of one MoE layer with ``mb`` micro-batches (per-micro-batch inputs, broadcastable).
+
+    With two micro-batches each all-to-all of one hides behind a compute segment of the other:
+    its dispatch behind the other's expert MLPs (shared + routed), its combine behind the other's
+    attention (projections, core attention, gate), so the layer costs
+    ``2 * (max(mlp, dispatch) + max(attention, combine))`` — the max of the compute and
+    communication paths plus what does not fit in its window. One micro-batch overlaps nothing.
+    """
+    if mb == 1:
+        return attention + mlp + dispatch + combine
+    return mb * (np.maximum(mlp, dispatch) + np.maximum(attention, combine))
+
+
+class PerfModel:
+    """Time model of one deployment unit (``dep``) of ``model`` on ``hw``.
+
+    The expert imbalance (EPLB plan on a synthetic skewed load) is computed once here.
+    """
+
+    def __init__(
+        self,
+        dep: Deployment,
+        hw: HardwareSpec,
+        model: ModelSpec = DEEPSEEK_V3,
+        eff: Efficiency = DEFAULT_EFFICIENCY,
+        *,
+        balance: ExpertBalance | None = None,
+    ) -> None:
+        self.dep, self.hw, self.model, self.eff = dep, hw, model, eff
+        self.gpus = dep.gpus(hw)
+        self.balance = balance if balance is not None else expert_balance(model, hw, dep)
+        nic = hw.rdma_gb_per_s / 50.0  # the published kernel figures are for 50 GB/s NICs
+        normal, low_latency = eff.rdma_normal_gb_per_s, eff.ll_latency_us_128
+        # (dispatch, combine) RDMA bandwidth in bytes/s and low-latency seconds for 128 tokens
+        self._rdma_bw = tuple(
+            _interp_ep({k: v[i] for k, v in normal.items()}, self.gpus) * 1e9 * nic for i in (0, 1)
+        )
+        self._ll_128 = tuple(
+            _interp_ep({k: v[i] for k, v in low_latency.items()}, self.gpus) * 1e-6 / nic
+            for i in (0, 1)
+        )
+
+    # ---- memory ----------------------------------------------------------------------------
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        """FP8 weights resident on one GPU (attention, shared expert, routed slots, dense MLPs, head)."""
+        m = self.model
+        return float(
+            m.num_layers * m.mla_params
+            + m.num_moe_layers
+            * (m.num_shared_experts + self.balance.slots_per_gpu)
+            * m.expert_params
+            + m.num_dense_layers * m.dense_mlp_params
+            + 2 * m.hidden * m.vocab
+        )
+
+    @property
+    def kv_capacity_tokens_per_gpu(self) -> float:
+        """KV-cache tokens one GPU holds after weights (0 when the weights do not fit)."""
+        free = self.hw.hbm_gb * 1e9 * self.eff.memory_usable - self.weight_bytes_per_gpu
+        return max(free, 0.0) / self.model.kv_bytes_per_token
+
+    # ---- primitives ------------------------------------------------------------------------
+    def _gemm(self, flops, weight_bytes, sm_fraction: float = 1.0):
+        hw, eff = self.hw, self.eff
+        return np.maximum(
+            flops / (hw.fp8_tflops * 1e12 * eff.gemm * sm_fraction),
+            weight_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
+        )
+
+    def _attention(self, flops, kv_bytes, sm_fraction: float = 1.0):
+        hw, eff = self.hw, self.eff
+        return np.maximum(
+            flops / (hw.bf16_tflops * 1e12 * eff.attention_compute * sm_fraction),
+            kv_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
+        )
+
+    def _a2a_normal(self, tokens):
+        """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP normal kernels."""
+        m, dep = self.model, self.dep
+        if dep.nodes == 1:
+            bw = self.hw.nvlink_gb_per_s * 1e9 * self.eff.nvlink
+            dests = min(m.experts_per_token, self.gpus) * (1 - 1 / self.gpus)
+            return (
+                tokens * DISPATCH_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
+                tokens * COMBINE_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
+            )
+        remote = self.balance.nodes_per_token * (1 - 1 / dep.nodes)
+        recv = tokens * remote * self.balance.imbalance
+        return (
+            recv * DISPATCH_BYTES_PER_TOKEN / self._rdma_bw[0] + self.eff.comm_launch_s,
+            recv * COMBINE_BYTES_PER_TOKEN / self._rdma_bw[1] + self.eff.comm_launch_s,
+        )
+
+    def _a2a_low_latency(self, tokens):
+        """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP low-latency kernels."""
+        scale = tokens * self.balance.imbalance / 128.0
+        return (
+            self._ll_128[0] * scale + self.eff.comm_launch_s,
+            self._ll_128[1] * scale + self.eff.comm_launch_s,
+        )
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prefill_breakdown(
+        self,
+        tokens_per_gpu: float | None = None,
+        cached_per_token: float = 0.0,
+        attn_keys_per_token: float | None = None,
+    ) -> LayerBreakdown:
+        """One prefill step where each GPU computes ``tokens_per_gpu`` uncached prompt tokens.
+
+        ``attn_keys_per_token``: mean keys each new token attends to (cached prefix + causal half of
+        the new part); default half of ``tokens_per_gpu`` capped at a 4K prompt.
+        ``cached_per_token``: cache-hit tokens per computed token (their latent KV is up-projected).
+        """
+        m, eff = self.model, self.eff
+        n = float(self.dep.tokens_per_gpu if tokens_per_gpu is None else tokens_per_gpu)
+        if n <= 0:
+            raise InputError(f"tokens_per_gpu={n} must be > 0")
+        keys = min(n, 4096.0) / 2 if attn_keys_per_token is None else attn_keys_per_token
+        mb = self.dep.micro_batches
+        nb = n / mb
+        sm = eff.prefill_compute_sms if mb == 2 and self.gpus > 1 else 1.0
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        up_params = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        attn_proj = self._gemm(
+            2 * nb * m.mla_params + 2 * nb * cached_per_token * up_params, m.mla_params, sm
+        )
+        core = self._attention(
+            2 * m.num_heads * (qk + m.v_head_dim) * nb * keys,
+            nb * (1 + cached_per_token) * 2 * m.kv_values_per_token_layer,
+            sm,
+        )
+        shared = self._gemm(
+            2 * nb * m.num_shared_experts * m.expert_params,
+            m.num_shared_experts * m.expert_params,
+            sm,
+        )
+        routed = self._gemm(
+            2 * nb * m.experts_per_token * m.expert_params * self.balance.imbalance,
+            self.balance.slots_per_gpu * m.expert_params,
+            sm,
+        )
+        gate = self._gemm(
+            2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts, sm
+        )
+        dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
+        dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
+        return self._assemble(
+            "prefill",
+            n,
+            mb,
+            attn_proj,
+            core,
+            shared,
+            routed,
+            gate,
+            dense,
+            dispatch,
+            combine,
+            head_tokens=n / 4096.0,
+        )
+
+    def prefill_seconds_per_token(
+        self, cached_fraction: float = 0.0, mean_prompt: float = 4096.0
+    ) -> float:
+        """Unit-seconds per uncached token at the nominal batch (``dep.tokens_per_gpu``)."""
+        computed = max(1.0 - cached_fraction, 1e-6)
+        keys = mean_prompt * cached_fraction + mean_prompt * computed / 2
+        b = self.prefill_breakdown(
+            cached_per_token=cached_fraction / computed, attn_keys_per_token=keys
+        )
+        return b.step_s / (b.tokens_per_gpu * self.gpus)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def decode_breakdown(self, batch_per_gpu: float, mean_kv: float) -> LayerBreakdown:
+        """One decode step with ``batch_per_gpu`` requests per GPU of mean KV length ``mean_kv``."""
+        if batch_per_gpu <= 0 or mean_kv < 0:
+            raise InputError(
+                f"batch_per_gpu={batch_per_gpu} must be > 0 and mean_kv={mean_kv} >= 0"
+            )
+        parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float))
+        return self._assemble(
+            "decode", batch_per_gpu, self.dep.micro_batches, *parts, head_tokens=batch_per_gpu
+        )
+
+    def _decode_parts(self, b, kv):
+        m = self.model
+        mb = self.dep.micro_batches
+        nb = b / mb
+        absorbed_q = m.kv_lora_rank * m.num_heads * m.qk_nope_head_dim
+        absorbed_o = m.kv_lora_rank * m.num_heads * m.v_head_dim
+        attn_proj = self._gemm(2 * nb * m.mla_params, m.mla_params)
+        kv_vals = m.kv_values_per_token_layer
+        core = self._attention(
+            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * nb * kv, nb * kv * 2 * kv_vals
+        )
+        del absorbed_q, absorbed_o  # same FLOPs as the kv up-projection counted in mla_params
+        shared = self._gemm(
+            2 * nb * m.num_shared_experts * m.expert_params, m.num_shared_experts * m.expert_params
+        )
+        routed = self._gemm(
+            2 * nb * m.experts_per_token * m.expert_params * self.balance.imbalance,
+            self.balance.slots_per_gpu * m.expert_params,
+        )
+        gate = self._gemm(2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts)
+        dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params)
+        dispatch, combine = self._a2a_low_latency(nb) if self.gpus > 1 else (0.0 * nb, 0.0 * nb)
+        return attn_proj, core, shared, routed, gate, dense, dispatch, combine
+
+    def decode_step_s(self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0):
+        """Seconds of one decode step, vectorised: ``batch_per_gpu`` and ``mean_kv`` broadcast
+        (arrays ``[units]``); one output token per request per step.
+
+        The step is paced by the slowest DP rank: it holds ``request_imbalance`` x the mean request
+        count and ``kv_imbalance`` x the mean KV tokens (from the decode load balancer).
+        """
+        b = np.maximum(np.asarray(batch_per_gpu, dtype=np.float64), 1e-9) * request_imbalance
+        kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
+        m = self.model
+        mb = self.dep.micro_batches
+        attn_proj, core, shared, routed, gate, dense, dispatch, combine = self._decode_parts(b, kv)
+        moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
+        dense_layer = mb * (attn_proj + core + dense)
+        head = self._gemm(2 * b * m.hidden * m.vocab, m.hidden * m.vocab)
+        return m.num_moe_layers * moe_layer + m.num_dense_layers * dense_layer + head
+
+    # ---- shared assembly ---------------------------------------------------------------------
+    def _assemble(
+        self,
+        phase,
+        n,
+        mb,
+        attn_proj,
+        core,
+        shared,
+        routed,
+        gate,
+        dense,
+        dispatch,
+        combine,
+        *,
+        head_tokens,
+    ) -> LayerBreakdown:
+        m = self.model
+        layers = m.num_layers
+        is_moe = np.arange(layers) >= m.num_dense_layers
+        f = float
+        parts = {
+            "attn_proj": np.full(layers, mb * f(attn_proj)),
+            "core_attn": np.full(layers, mb * f(core)),
+            "shared": np.where(is_moe, mb * f(shared), 0.0),
+            "routed": np.where(is_moe, mb * f(routed), 0.0),
+            "gate": np.where(is_moe, mb * f(gate), 0.0),
+            "dense_mlp": np.where(is_moe, 0.0, mb * f(dense)),
+            "dispatch": np.where(is_moe, mb * f(dispatch), 0.0),
+            "combine": np.where(is_moe, mb * f(combine), 0.0),
+        }
+        compute = sum(parts[p] for p in PARTS[:6])
+        comm = parts["dispatch"] + parts["combine"]
+        moe_layer = _overlapped(
+            mb, f(attn_proj) + f(core) + f(gate), f(shared) + f(routed), f(dispatch), f(combine)
+        )
+        layer = np.where(is_moe, moe_layer, compute)
+        head = float(self._gemm(2 * head_tokens * m.hidden * m.vocab, m.hidden * m.vocab))
+        return LayerBreakdown(
+            phase, parts, compute, comm, layer, head, float(layer.sum()) + head, float(n)
+        )

@@ -1,0 +1,167 @@
+"""Named scenarios: a workload, a fleet schedule and the two deployment units, ready to simulate.
+
+``deepseek-v3-day``: DeepSeek's published day — the hourly demand curve, the published length and
+cache-hit statistics, the node curve with 18-node decode and 4-node prefill units, H800 nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeinfra.errors import InputError
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.schedule import FleetSchedule, deepseek_day_schedule, utilisation_schedule
+from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
+from moeinfra.serving.specs import (
+    DEEPSEEK_V3,
+    Deployment,
+    deepseek_decode_unit,
+    deepseek_prefill_unit,
+    hardware,
+)
+from moeinfra.serving.workload import Workload, deepseek_day
+
+SCENARIOS = ("deepseek-v3-day",)
+
+#: Real requests per sampled request in the default day (~1.55M sampled of ~155M).
+DEFAULT_SCALE = 100.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything :func:`simulate` needs."""
+
+    name: str
+    workload: Workload
+    schedule: FleetSchedule
+    prefill: PerfModel
+    decode: PerfModel
+
+    def run(
+        self, config: SimConfig | None = None, progress: Callable[[float], None] | None = None
+    ) -> SimulationResult:
+        return simulate(
+            self.workload, self.schedule, self.prefill, self.decode, config, progress=progress
+        )
+
+
+def decode_seconds_per_token(decode: PerfModel, batch_per_gpu: float, mean_kv: float) -> float:
+    """Unit-seconds per output token of a decode unit running ``batch_per_gpu`` requests per GPU."""
+    return float(decode.decode_step_s(batch_per_gpu, mean_kv)) / (batch_per_gpu * decode.gpus)
+
+
+def auto_schedule(
+    workload: Workload,
+    prefill: PerfModel,
+    decode: PerfModel,
+    *,
+    target: float = 0.7,
+    interval_s: float = 900.0,
+    decode_batch_per_gpu: float = 64.0,
+) -> FleetSchedule:
+    """Target-utilisation autoscaling for ``workload`` (whole units per ``interval_s``)."""
+    inputs = workload.input_tokens.astype(np.float64)
+    computed = inputs - workload.cached_tokens
+    outputs = workload.output_tokens.astype(np.float64)
+    hit = float(workload.cached_tokens.sum() / max(inputs.sum(), 1.0))
+    s_prefill = prefill.prefill_seconds_per_token(hit, float(inputs.mean()))
+    mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / max(outputs.sum(), 1.0))
+    s_decode = decode_seconds_per_token(decode, decode_batch_per_gpu, mean_kv)
+    return utilisation_schedule(
+        workload.arrival_s,
+        computed * s_prefill * workload.scale,
+        outputs * s_decode * workload.scale,
+        workload.duration_s,
+        target=target,
+        interval_s=interval_s,
+        prefill_nodes=prefill.dep.nodes,
+        decode_nodes=decode.dep.nodes,
+    )
+
+
+def build_scenario(
+    name: str = "deepseek-v3-day",
+    *,
+    workload: Workload | None = None,
+    hardware_name: str = "h800",
+    hours: float | None = None,
+    scale: float = DEFAULT_SCALE,
+    seed: int = 0,
+    fleet: str | None = None,
+    prefill_dep: Deployment | None = None,
+    decode_dep: Deployment | None = None,
+) -> Scenario:
+    """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
+    ``fleet`` defaults to ``"auto"`` (target-utilisation autoscaling) instead of ``"deepseek"``
+    (the published node curve)."""
+    if name not in SCENARIOS:
+        raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
+    hw = hardware(hardware_name)
+    prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, DEEPSEEK_V3)
+    decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, DEEPSEEK_V3)
+    if workload is None:
+        if hours is not None and not 0 < hours <= 24:
+            raise InputError(f"hours={hours} must be in (0, 24]")
+        workload = deepseek_day(scale=scale, seed=seed, hours=hours)
+    fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
+    if fleet == "deepseek":
+        if prefill.dep.nodes != 4 or decode.dep.nodes != 18:
+            raise InputError("fleet='deepseek' needs the 4-node prefill and 18-node decode units")
+        schedule = deepseek_day_schedule(min(workload.duration_s, 86_400.0) / 3600.0)
+    elif fleet == "auto":
+        schedule = auto_schedule(workload, prefill, decode)
+    else:
+        raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")
+    return Scenario(name, workload, schedule, prefill, decode)
+
+
+#: DeepSeek's published day (REFERENCE.md), for "published vs simulated" tables.
+PUBLISHED = {
+    "cost_usd": 87_072.0,
+    "avg_nodes": 226.75,
+    "peak_nodes": 278,
+    "input_tokens": 608e9,
+    "cache_hit_input_tokens": 342e9,
+    "output_tokens": 168e9,
+    "revenue_usd": 562_027.0,
+    "margin": 5.45,
+    "prefill_tokens_per_s_per_node": 73.7e3,
+    "decode_tokens_per_s_per_node": 14.8e3,
+    "mean_output_tokens_per_s": 21.0,
+    "mean_kv_len_per_output_token": 4_989.0,
+}
+
+PUBLISHED_LABELS = {
+    "cost_usd": "cost (USD)",
+    "avg_nodes": "average nodes",
+    "peak_nodes": "peak nodes",
+    "input_tokens": "input tokens",
+    "cache_hit_input_tokens": "cache-hit input tokens",
+    "output_tokens": "output tokens",
+    "revenue_usd": "theoretical revenue (USD)",
+    "margin": "cost profit margin",
+    "prefill_tokens_per_s_per_node": "prefill input tokens/s per node",
+    "decode_tokens_per_s_per_node": "decode output tokens/s per node",
+    "mean_output_tokens_per_s": "mean output speed, tokens/s (20-22)",
+    "mean_kv_len_per_output_token": "mean KV length per output token",
+}
+
+
+#: Theoretical income per hour from 12:00 UTC+8 read off DeepSeek's chart (deepseek_day6_hourly.csv,
+#: ``income_usd_scaled``: the digitised bars scaled to sum to the published $562,027).
+PUBLISHED_HOURLY_INCOME = (
+    27022.7, 28514.1, 30464.7, 30924.0, 30464.7, 27826.3, 26793.0, 29547.3, 30694.4, 30809.2,
+    31038.8, 29776.9, 21744.7, 17958.2, 13138.5, 7975.3, 6368.1, 6368.1, 7975.3, 13712.5,
+    23121.3, 29432.5, 30464.7, 29891.7,
+)  # fmt: skip
+
+
+def published_vs_simulated(totals: dict) -> list[tuple[str, float, float, float]]:
+    """Rows ``(label, published, simulated, simulated/published - 1)``."""
+    return [
+        (PUBLISHED_LABELS[k], float(v), float(totals[k]), float(totals[k]) / float(v) - 1.0)
+        for k, v in PUBLISHED.items()
+    ]

@@ -1,0 +1,159 @@
+"""How many prefill and decode units run when: a step schedule (DeepSeek's day is a preset) or one
+derived from the workload by a target-utilisation policy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeinfra.errors import InputError
+
+# DeepSeek's day-6 node curve (deepseek_day6_node_schedule.csv): start hour since 12:00 UTC+8, nodes,
+# and the hypothesised split into 18-node decode and 4-node prefill units (REFERENCE.md).
+DEEPSEEK_DAY_STEPS = (
+    (0.0, 278, 9, 29),
+    (12.0, 218, 7, 23),
+    (13.25, 188, 6, 20),
+    (14.0, 158, 5, 17),
+    (14.75, 128, 4, 14),
+    (15.0, 98, 3, 11),
+    (15.5, 68, 2, 8),
+    (18.5, 98, 3, 11),
+    (19.0, 128, 4, 14),
+    (19.5, 188, 6, 20),
+    (20.0, 218, 7, 23),
+    (20.5, 278, 9, 29),
+)
+
+
+@dataclass(frozen=True)
+class FleetSchedule:
+    """Units per phase as a step function of time.
+
+    Attributes:
+        start_s: ``[k]`` ascending step starts (the first is 0). prefill_units, decode_units: ``[k]``.
+        prefill_nodes, decode_nodes: nodes per unit. duration_s: end of the last step.
+    """
+
+    start_s: np.ndarray
+    prefill_units: np.ndarray
+    decode_units: np.ndarray
+    prefill_nodes: int = 4
+    decode_nodes: int = 18
+    duration_s: float = 86_400.0
+
+    def __post_init__(self) -> None:
+        k = self.start_s.size
+        if k == 0 or self.start_s[0] != 0 or np.any(np.diff(self.start_s) <= 0):
+            raise InputError("FleetSchedule.start_s must start at 0 and increase")
+        if self.prefill_units.shape != (k,) or self.decode_units.shape != (k,):
+            raise InputError(f"FleetSchedule unit arrays must have shape ({k},)")
+        if np.any(self.prefill_units < 1) or np.any(self.decode_units < 1):
+            raise InputError("FleetSchedule needs >= 1 prefill and >= 1 decode unit at all times")
+        if self.duration_s <= self.start_s[-1]:
+            raise InputError(
+                f"FleetSchedule.duration_s={self.duration_s} must exceed the last start"
+            )
+
+    def at(self, t_s: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(prefill_units, decode_units)`` running at time(s) ``t_s``."""
+        i = np.searchsorted(self.start_s, t_s, side="right") - 1
+        return self.prefill_units[i], self.decode_units[i]
+
+    def nodes_at(self, t_s: float | np.ndarray) -> np.ndarray:
+        p, d = self.at(t_s)
+        return p * self.prefill_nodes + d * self.decode_nodes
+
+    @property
+    def max_units(self) -> tuple[int, int]:
+        return int(self.prefill_units.max()), int(self.decode_units.max())
+
+    def node_seconds(self, start_s: float = 0.0, end_s: float | None = None) -> tuple[float, float]:
+        """``(prefill, decode)`` node-seconds in ``[start_s, end_s)``."""
+        end_s = self.duration_s if end_s is None else end_s
+        edges = np.append(self.start_s, self.duration_s)
+        lo = np.clip(edges[:-1], start_s, end_s)
+        hi = np.clip(edges[1:], start_s, end_s)
+        span = hi - lo
+        return (
+            float((span * self.prefill_units).sum() * self.prefill_nodes),
+            float((span * self.decode_units).sum() * self.decode_nodes),
+        )
+
+    def summary(self) -> dict[str, float]:
+        p, d = self.node_seconds()
+        nodes = self.prefill_units * self.prefill_nodes + self.decode_units * self.decode_nodes
+        return {
+            "peak_nodes": int(nodes.max()),
+            "avg_nodes": (p + d) / self.duration_s,
+            "avg_prefill_nodes": p / self.duration_s,
+            "avg_decode_nodes": d / self.duration_s,
+            "node_hours": (p + d) / 3600.0,
+        }
+
+
+def deepseek_day_schedule(hours: float = 24.0) -> FleetSchedule:
+    """DeepSeek's published node curve with the 18-node decode / 4-node prefill unit split."""
+    steps = np.array(DEEPSEEK_DAY_STEPS, dtype=np.float64)
+    keep = steps[:, 0] < hours
+    return FleetSchedule(
+        steps[keep, 0] * 3600.0,
+        steps[keep, 3].astype(np.int64),
+        steps[keep, 2].astype(np.int64),
+        4,
+        18,
+        hours * 3600.0,
+    )
+
+
+def constant_schedule(
+    prefill_units: int,
+    decode_units: int,
+    duration_s: float,
+    prefill_nodes: int = 4,
+    decode_nodes: int = 18,
+) -> FleetSchedule:
+    """A fixed fleet for the whole window."""
+    return FleetSchedule(
+        np.zeros(1),
+        np.array([prefill_units]),
+        np.array([decode_units]),
+        prefill_nodes,
+        decode_nodes,
+        duration_s,
+    )
+
+
+def utilisation_schedule(
+    arrival_s: np.ndarray,
+    prefill_work_s: np.ndarray,
+    decode_work_s: np.ndarray,
+    duration_s: float,
+    *,
+    target: float = 0.7,
+    interval_s: float = 900.0,
+    prefill_nodes: int = 4,
+    decode_nodes: int = 18,
+    min_units: int = 1,
+) -> FleetSchedule:
+    """Autoscaling by a target-utilisation policy: per ``interval_s``, the whole units whose busy
+    share would be ``target`` for the work arriving in it.
+
+    ``prefill_work_s`` / ``decode_work_s``: ``[n]`` unit-seconds each request needs (real scale).
+    """
+    if not 0 < target <= 1:
+        raise InputError(f"target={target} must be in (0, 1]")
+    if interval_s <= 0:
+        raise InputError(f"interval_s={interval_s} must be > 0")
+    k = max(1, math.ceil(duration_s / interval_s))
+    slot = np.minimum((arrival_s // interval_s).astype(np.int64), k - 1)
+    prefill = np.bincount(slot, weights=prefill_work_s, minlength=k) / (interval_s * target)
+    decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (interval_s * target)
+    p = np.maximum(np.ceil(prefill), min_units).astype(np.int64)
+    d = np.maximum(np.ceil(decode), min_units).astype(np.int64)
+    change = np.ones(k, dtype=bool)
+    change[1:] = (p[1:] != p[:-1]) | (d[1:] != d[:-1])
+    starts = np.arange(k)[change] * interval_s
+    return FleetSchedule(starts, p[change], d[change], prefill_nodes, decode_nodes, duration_s)

@@ -1,0 +1,502 @@
+"""Discrete-event simulation of a prefill/decode-disaggregated fleet, advanced in fixed ticks.
+
+Request flow: API server -> prefill load balancer (least outstanding work over prefill units) ->
+prefill unit (FIFO; cache-hit prefix read from the on-disk KV cache, the rest computed) -> KV transfer
+-> decode load balancer (least KV usage over decode units, within the KV capacity) -> decode unit
+(continuous batching: every request in the unit advances one token per decode step) -> response.
+
+Method (docs/serving-model.md): each sampled request stands for ``workload.scale`` real requests; a
+unit's batch is ``scale`` x its sampled requests; prefill queues are solved exactly per tick with the
+Lindley recursion (vectorised per unit); decode advances every request by ``tick / step_time`` tokens
+per tick, with the step time of its unit's current batch from the performance model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeinfra.errors import InputError
+from moeinfra.serving.balancers import (
+    DecodeLoadBalancer,
+    PrefillLoadBalancer,
+    RoundRobin,
+    decode_imbalance,
+    fill_least_loaded,
+)
+from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.schedule import FleetSchedule
+from moeinfra.serving.workload import Workload
+
+COMPLETED, RUNNING, REJECTED = 0, 1, 2
+REJECT_REASONS = ("prefill queue over max wait", "decode KV cache full past max wait")
+_SEGMENT = 1e7  # offset between units in the segmented max-accumulate (> any time in a day)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of the simulation (not of the system being simulated, except the SLO-ish limits).
+
+    tick_s: decode time step. max_prefill_wait_s / max_decode_wait_s: queueing beyond which a request
+    is rejected. balancer: ``"deepseek"`` (the balancers of this package) or ``"baseline"``
+    (round robin / least requests) for the DP ranks inside a unit.
+    """
+
+    tick_s: float = 2.0
+    max_prefill_wait_s: float = 300.0
+    max_decode_wait_s: float = 300.0
+    balancer: str = "deepseek"
+    prices: Prices = R1_PRICES
+    record_every_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tick_s <= 0 or self.record_every_s < self.tick_s:
+            raise InputError(
+                f"tick_s={self.tick_s} must be > 0 and record_every_s={self.record_every_s} >= tick_s"
+            )
+        if self.balancer not in ("deepseek", "baseline"):
+            raise InputError(f"balancer={self.balancer!r} must be 'deepseek' or 'baseline'")
+
+
+@dataclass
+class SimulationResult:
+    """What a simulation recorded (real-scale figures unless the name says ``sampled``).
+
+    Per request (sampled, ``[n]``): ``status`` (0 completed, 1 running, 2 rejected), ``reason``
+    (index into REJECT_REASONS or -1), ``ttft_s``, ``tpot_s`` (mean time per output token after the
+    first), ``finish_s``. Per record interval (``[k]`` rows, ``[k, units]`` per unit):
+    ``decode_batch_per_gpu``, ``decode_kv_usage``, ``decode_step_s``, ``prefill_utilisation``.
+    ``hourly``: one dict per hour. ``totals``: the day's figures.
+    """
+
+    scale: float
+    duration_s: float
+    status: np.ndarray
+    reason: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    finish_s: np.ndarray
+    output_tokens: np.ndarray
+    record_t_s: np.ndarray
+    decode_batch_per_gpu: np.ndarray
+    decode_kv_usage: np.ndarray
+    decode_step_s: np.ndarray
+    prefill_utilisation: np.ndarray
+    hourly: list[dict]
+    totals: dict
+    model: dict = field(default_factory=dict)
+
+    def requests(self) -> dict[str, float]:
+        """Real-scale request counts; ``arrived == completed + running + rejected`` always."""
+        counts = np.bincount(self.status, minlength=3) * self.scale
+        return {
+            "arrived": float(self.status.size * self.scale),
+            "completed": float(counts[COMPLETED]),
+            "running": float(counts[RUNNING]),
+            "rejected": float(counts[REJECTED]),
+            "sampled": int(self.status.size),
+        }
+
+    def to_dict(self, hourly: bool = True) -> dict:
+        """JSON-ready summary (the fields ``moeinfra serve simulate --json`` prints)."""
+        out = dict(self.totals)
+        out["requests"] = self.requests()
+        reasons = np.bincount(self.reason[self.reason >= 0], minlength=len(REJECT_REASONS))
+        out["rejected_by_reason"] = {
+            r: float(c * self.scale) for r, c in zip(REJECT_REASONS, reasons, strict=True)
+        }
+        done = self.status == COMPLETED
+        for name, values in (
+            ("ttft_s", self.ttft_s[np.isfinite(self.ttft_s)]),
+            ("tpot_s", self.tpot_s[done & np.isfinite(self.tpot_s)]),
+        ):
+            out[name] = (
+                {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 95, 99)}
+                | {"mean": float(values.mean())}
+                if values.size
+                else {}
+            )
+        out["model"] = self.model
+        if hourly:
+            out["hourly"] = self.hourly
+        return json_ready(out)
+
+
+def json_ready(value):
+    """Plain Python floats/ints, NaN and infinities as None (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if np.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _lindley(unit, arrival, work, busy):
+    """Finish times of FIFO single servers: requests sorted by arrival, grouped by ``unit``.
+
+    ``finish_i = W_i + max(busy[unit], max_{j<=i} (a_j - W_{j-1}))`` per unit, ``W`` the cumulative
+    work within the unit; vectorised with a segmented running maximum.
+    """
+    order = np.argsort(unit, kind="stable")
+    u, a, w = unit[order], arrival[order], work[order]
+    change = np.empty(u.size, dtype=bool)
+    change[0] = True
+    np.not_equal(u[1:], u[:-1], out=change[1:])
+    starts = np.flatnonzero(change)
+    seg = np.cumsum(change) - 1
+    cw = np.cumsum(w)
+    base = (cw - w)[starts][seg]  # cumulative work before the segment
+    wi = cw - base
+    x = a - (wi - w) + seg * _SEGMENT
+    run = np.maximum.accumulate(x) - seg * _SEGMENT
+    finish_sorted = wi + np.maximum(busy[u], run)
+    finish = np.empty_like(finish_sorted)
+    finish[order] = finish_sorted
+    last = np.append(starts[1:] - 1, u.size - 1)
+    new_busy = busy.copy()
+    new_busy[u[last]] = finish_sorted[last]
+    return finish, new_busy
+
+
+def _dp_imbalance(
+    prefill: PerfModel, decode: PerfModel, workload: Workload, balancer: str, attn_share: float
+) -> dict:
+    """Slowest DP rank / mean inside one unit, from the balancers on a sample of the workload.
+
+    Prefill: a step's worth of prompts (ranks x tokens_per_gpu uncached tokens); a rank's cost is
+    its token share of the linear work plus its attention share of the core-attention work.
+    Decode: 64 requests per rank with KV = prompt + half the output; KV and request-count ratios.
+    """
+    if workload.size == 0:
+        return {"prefill": 1.0, "decode_kv": 1.0, "decode_requests": 1.0}
+    rng = np.random.default_rng(1)
+    want = prefill.gpus * prefill.dep.tokens_per_gpu
+    mean_computed = float((workload.input_tokens - workload.cached_tokens).mean())
+    k = max(1, int(want / max(mean_computed, 1.0)))
+    pick = rng.choice(workload.size, k, replace=True)
+    prefill_lb = (
+        PrefillLoadBalancer(prefill.gpus, max(prefill.dep.tokens_per_gpu // 4, 1))
+        if balancer == "deepseek"
+        else RoundRobin(prefill.gpus)
+    )
+    placed = prefill_lb.assign(workload.input_tokens[pick], workload.cached_tokens[pick])
+    tokens = placed.rank_tokens / max(placed.rank_tokens.mean(), 1e-300)
+    attn = placed.rank_attention / max(placed.rank_attention.mean(), 1e-300)
+    rank_cost = (1 - attn_share) * tokens + attn_share * attn
+    m = decode.gpus * 64
+    pick = rng.choice(workload.size, m, replace=True)
+    kv = workload.input_tokens[pick] + workload.output_tokens[pick] / 2
+    decode_lb = (
+        DecodeLoadBalancer(decode.gpus) if balancer == "deepseek" else RoundRobin(decode.gpus)
+    )
+    d = decode_imbalance(decode_lb.assign_decode(kv), kv, decode.gpus)
+    return {
+        "prefill": float(max(rank_cost.max() / rank_cost.mean(), 1.0)),
+        "decode_kv": max(d["kv"], 1.0),
+        "decode_requests": max(d["requests"], 1.0),
+        "prefill_detail": placed.imbalance(),
+    }
+
+
+def simulate(
+    workload: Workload,
+    schedule: FleetSchedule,
+    prefill: PerfModel,
+    decode: PerfModel,
+    config: SimConfig | None = None,
+    *,
+    progress: Callable[[float], None] | None = None,
+) -> SimulationResult:
+    """Run ``workload`` on the fleet ``schedule`` of ``prefill``/``decode`` units.
+
+    ``progress(t_s)`` is called every simulated minute. Returns a :class:`SimulationResult`.
+    """
+    cfg = config or SimConfig()
+    if prefill.dep.phase != "prefill" or decode.dep.phase != "decode":
+        raise InputError("simulate needs a prefill PerfModel and a decode PerfModel")
+    if schedule.prefill_nodes != prefill.dep.nodes or schedule.decode_nodes != decode.dep.nodes:
+        raise InputError(
+            f"schedule units ({schedule.prefill_nodes}/{schedule.decode_nodes} nodes) do not match "
+            f"the deployments ({prefill.dep.nodes}/{decode.dep.nodes} nodes)"
+        )
+    S = workload.scale
+    duration = min(workload.duration_s, schedule.duration_s)
+    n = workload.size
+    arrival = workload.arrival_s
+    inputs = workload.input_tokens.astype(np.float64)
+    cached = workload.cached_tokens.astype(np.float64)
+    outputs = workload.output_tokens.astype(np.float64)
+    computed = inputs - cached
+
+    # ---- prefill cost per request (unit-seconds), from the performance model ----
+    mean_in = float(inputs.mean()) if n else 4096.0
+    hit = float(cached.sum() / max(inputs.sum(), 1.0)) if n else 0.0
+    s_per_token = prefill.prefill_seconds_per_token(hit, mean_in)
+    nominal = prefill.prefill_breakdown(
+        cached_per_token=hit / max(1 - hit, 1e-6),
+        attn_keys_per_token=mean_in * hit + mean_in * (1 - hit) / 2,
+    )
+    attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
+    imb = _dp_imbalance(prefill, decode, workload, cfg.balancer, attn_share)
+    keys = cached + computed / 2
+    mean_keys = float((computed * keys).sum() / max(computed.sum(), 1.0)) if n else 1.0
+    work = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
+    work *= imb["prefill"] * S  # a sampled request brings S requests' work to its unit
+    grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
+    grid_s = np.array([prefill.prefill_breakdown(tokens_per_gpu=g).step_s for g in grid])
+    per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
+    min_latency = np.interp(per_rank, grid, grid_s) * np.maximum(
+        1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
+    )
+    # backlog beyond 10 sampled requests' work is a real queue, not sampling lumpiness
+    lump_allowance = 10.0 * (float(work.mean()) if n else 0.0)
+    kv_transfer = inputs * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
+
+    # ---- state ----
+    p_max, d_max = schedule.max_units
+    busy = np.zeros(p_max)
+    kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
+    status = np.full(n, RUNNING, dtype=np.int64)
+    reason = np.full(n, -1, dtype=np.int64)
+    ttft = np.full(n, np.nan)
+    first_token = np.full(n, np.nan)
+    finish_t = np.full(n, np.nan)
+    done_tokens = np.zeros(n)
+    pend = np.zeros(0, dtype=np.int64)  # waiting for a decode slot, by request index
+    ready = np.full(n, np.inf)
+    # active decode set
+    a_idx = np.zeros(0, dtype=np.int64)
+    a_unit = np.zeros(0, dtype=np.int64)
+    a_done = np.zeros(0)
+    a_from = np.zeros(0)
+
+    ticks = int(np.ceil(duration / cfg.tick_s))
+    rec_every = max(1, int(round(cfg.record_every_s / cfg.tick_s)))
+    n_rec = -(-ticks // rec_every)
+    rec_batch = np.zeros((n_rec, d_max))
+    rec_kv = np.zeros((n_rec, d_max))
+    rec_step = np.full((n_rec, d_max), np.nan)
+    rec_putil = np.zeros((n_rec, p_max))
+    hours = int(np.ceil(duration / 3600.0))
+    out_hour = np.zeros(hours)
+    kv_weighted = 0.0
+    prev_d_units = None
+    last_step = np.full(d_max, 0.02)
+    lo = 0
+    work_done_rec = np.zeros(p_max)
+    for tick in range(ticks):
+        t0 = tick * cfg.tick_s
+        t1 = min(t0 + cfg.tick_s, duration)
+        p_units, d_units = (int(x) for x in schedule.at(t0))
+        # ---- arrivals -> prefill, in chunks of about one request per running unit (at most 128
+        # chunks a tick), so a burst is spread as "least outstanding work at arrival" would ----
+        hi = int(np.searchsorted(arrival, t1, side="left"))
+        chunk = max(p_units, -(-(hi - lo) // 128))
+        for c in range(lo, hi, chunk):
+            idx = np.arange(c, min(c + chunk, hi))
+            levels = np.full(p_max, np.inf)
+            levels[:p_units] = np.maximum(busy[:p_units] - arrival[idx[0]], 0.0)
+            unit = fill_least_loaded(levels, work[idx])
+            ok = busy[unit] - arrival[idx] <= cfg.max_prefill_wait_s
+            status[idx[~ok]] = REJECTED
+            reason[idx[~ok]] = 0
+            idx, unit = idx[ok], unit[ok]
+            if idx.size == 0:
+                continue
+            fin, busy = _lindley(unit, arrival[idx], work[idx], busy)
+            # Sampling rule for the queue (docs/serving-model.md): a sampled request carries S
+            # requests' work, so the simulated queue is lumpy; at fixed utilisation the queueing
+            # delay scales with the lump size (Pollaczek-Khinchine), so a request waits wait/S,
+            # plus in full any backlog beyond `lump_allowance` (a real, sustained queue), then
+            # its own service.
+            wait = fin - work[idx] - arrival[idx]
+            wait = wait / S + np.maximum(wait - lump_allowance, 0.0)
+            fin = arrival[idx] + wait + np.maximum(work[idx] / S, min_latency[idx])
+            np.add.at(work_done_rec, unit, work[idx])
+            ttft[idx] = fin - arrival[idx]
+            first_token[idx] = fin
+            done_tokens[idx] = 1.0
+            ready[idx] = fin + kv_transfer[idx]
+            pend = np.concatenate([pend, idx])
+        lo = max(lo, hi)
+        # ---- scale-down: move decode requests off units that stop ----
+        if prev_d_units is not None and d_units < prev_d_units and a_idx.size:
+            moved = a_unit >= d_units
+            if moved.any():
+                kv_now = np.bincount(a_unit[~moved], (inputs[a_idx] + a_done)[~moved], d_max) * S
+                levels = np.full(d_max, np.inf)
+                levels[:d_units] = kv_now[:d_units]
+                a_unit[moved] = fill_least_loaded(
+                    levels, (inputs[a_idx[moved]] + a_done[moved]) * S
+                )
+        prev_d_units = d_units
+        # ---- decode admission ----
+        if pend.size:
+            cand = pend[ready[pend] < t1]
+            if cand.size:
+                cand = cand[np.argsort(ready[cand], kind="stable")]
+                kv_now = np.bincount(a_unit, inputs[a_idx] + a_done, d_max) * S
+                levels = np.full(d_max, np.inf)
+                levels[:d_units] = kv_now[:d_units]
+                need = (inputs[cand] + outputs[cand] / 2) * S
+                unit = fill_least_loaded(levels, need)
+                # admit in order while the unit's KV (with the newcomers) fits
+                order = np.argsort(unit, kind="stable")
+                sorted_need = need[order]
+                cum = np.cumsum(sorted_need)
+                change = np.empty(order.size, dtype=bool)
+                change[0] = True
+                np.not_equal(unit[order][1:], unit[order][:-1], out=change[1:])
+                seg_id = np.cumsum(change) - 1
+                within = cum - (cum - sorted_need)[np.flatnonzero(change)][seg_id]
+                fits_sorted = kv_now[unit[order]] + within <= kv_cap_unit
+                fits = np.empty(cand.size, dtype=bool)
+                fits[order] = fits_sorted
+                admit = cand[fits]
+                a_idx = np.concatenate([a_idx, admit])
+                a_unit = np.concatenate([a_unit, unit[fits]])
+                a_done = np.concatenate([a_done, np.ones(admit.size)])
+                a_from = np.concatenate([a_from, np.maximum(ready[admit], t0)])
+                waiting = cand[~fits]
+                late = waiting[t1 - ready[waiting] > cfg.max_decode_wait_s]
+                status[late] = REJECTED
+                reason[late] = 1
+                gone = ready[pend] < t1
+                gone[gone] = ~np.isin(pend[gone], waiting[~np.isin(waiting, late)])
+                pend = pend[~gone]
+        # ---- decode step ----
+        r = tick // rec_every
+        if a_idx.size:
+            run_s = t1 - a_from
+            remaining = outputs[a_idx] - a_done
+            # a request is in its unit's batch for the part of the tick before it finishes
+            # (estimated with the unit's previous step time), not for the whole tick
+            occupancy = np.minimum(run_s, remaining * last_step[a_unit]) / cfg.tick_s
+            count = np.bincount(a_unit, occupancy, d_max)
+            kv_tokens = np.bincount(a_unit, occupancy * (inputs[a_idx] + a_done), d_max)
+            active = count > 0
+            batch = np.where(active, count * S / decode.gpus, 0.0)
+            mean_kv = np.where(active, kv_tokens / np.where(active, count, 1.0), 0.0)
+            step = np.full(d_max, np.inf)
+            step[active] = decode.decode_step_s(
+                batch[active], mean_kv[active], imb["decode_requests"], imb["decode_kv"]
+            )
+            last_step = np.where(active, step, last_step)
+            gain = run_s / step[a_unit]
+            produced = np.minimum(gain, remaining)
+            out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
+            kv_weighted += float((produced * (inputs[a_idx] + a_done + produced / 2)).sum()) * S
+            fin = gain >= remaining
+            if fin.any():
+                f_idx = a_idx[fin]
+                finish_t[f_idx] = a_from[fin] + remaining[fin] * step[a_unit[fin]]
+                status[f_idx] = COMPLETED
+                done_tokens[f_idx] = outputs[f_idx]
+            keep = ~fin
+            a_idx, a_unit, a_from = a_idx[keep], a_unit[keep], np.full(keep.sum(), t1)
+            a_done = (a_done + produced)[keep]
+            rec_batch[r] += batch / rec_every
+            rec_kv[r] += kv_tokens * S / kv_cap_unit / rec_every
+            rec_step[r] = np.where(active, step, rec_step[r])
+        if (tick + 1) % rec_every == 0 or tick == ticks - 1:
+            span = (tick % rec_every + 1) * cfg.tick_s
+            rec_putil[r] = np.minimum(work_done_rec / span, 1.0)
+            work_done_rec[:] = 0.0
+            if progress is not None:
+                progress(t1)
+    done_tokens[a_idx] = a_done
+
+    # ---- accounting ----
+    prefilled = np.isfinite(first_token) & (first_token < duration)
+    tpot = np.full(n, np.nan)
+    ok = (status == COMPLETED) & (outputs > 1)
+    tpot[ok] = (finish_t[ok] - first_token[ok]) / (outputs[ok] - 1)
+    in_hour = np.zeros(hours)
+    hit_hour = np.zeros(hours)
+    h_of = np.minimum((first_token[prefilled] // 3600).astype(np.int64), hours - 1)
+    in_hour += np.bincount(h_of, inputs[prefilled], hours) * S
+    hit_hour += np.bincount(h_of, cached[prefilled], hours) * S
+    # first tokens come from prefill: count them as output of the prefill hour
+    out_hour += np.bincount(h_of, np.ones(h_of.size), hours) * S
+    p_sec_h = np.zeros(hours)
+    d_sec_h = np.zeros(hours)
+    hourly = []
+    for h in range(hours):
+        p_s, d_s = schedule.node_seconds(h * 3600.0, min((h + 1) * 3600.0, duration))
+        p_sec_h[h], d_sec_h[h] = p_s, d_s
+        span = min((h + 1) * 3600.0, duration) - h * 3600.0
+        cost = fleet_cost_usd(
+            (p_s + d_s) / 3600.0, prefill.hw.gpus_per_node, prefill.hw.gpu_hour_usd
+        )
+        rev = revenue_usd(hit_hour[h], in_hour[h] - hit_hour[h], out_hour[h], cfg.prices)
+        hourly.append(
+            {
+                "hour": h,
+                "nodes": (p_s + d_s) / span,
+                "prefill_nodes": p_s / span,
+                "decode_nodes": d_s / span,
+                "input_tokens": in_hour[h],
+                "cache_hit_input_tokens": hit_hour[h],
+                "output_tokens": out_hour[h],
+                "cost_usd": cost,
+                "revenue_usd": rev,
+            }
+        )
+    p_total, d_total = p_sec_h.sum(), d_sec_h.sum()
+    cost = sum(h["cost_usd"] for h in hourly)
+    revenue = sum(h["revenue_usd"] for h in hourly)
+    out_total = float(out_hour.sum())
+    speed = 1.0 / tpot[np.isfinite(tpot)]
+    nodes_curve = schedule.nodes_at(np.arange(0.0, duration, 60.0))
+    totals = {
+        "hours": duration / 3600.0,
+        "peak_nodes": int(nodes_curve.max()),
+        "avg_nodes": (p_total + d_total) / duration,
+        "avg_prefill_nodes": p_total / duration,
+        "avg_decode_nodes": d_total / duration,
+        "cost_usd": cost,
+        "input_tokens": float(in_hour.sum()),
+        "cache_hit_input_tokens": float(hit_hour.sum()),
+        "cache_hit_ratio": float(hit_hour.sum() / max(in_hour.sum(), 1.0)),
+        "output_tokens": out_total,
+        "revenue_usd": revenue,
+        "margin": margin(revenue, cost) if cost > 0 else float("nan"),
+        "prefill_tokens_per_s_per_node": float(in_hour.sum() / max(p_total, 1e-9)),
+        "decode_tokens_per_s_per_node": float(out_total / max(d_total, 1e-9)),
+        "mean_output_tokens_per_s": float(speed.mean()) if speed.size else float("nan"),
+        "mean_kv_len_per_output_token": float(kv_weighted / max(out_total - h_of.size * S, 1.0)),
+        "sample_scale": S,
+    }
+    return SimulationResult(
+        scale=S,
+        duration_s=duration,
+        status=status,
+        reason=reason,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        finish_s=finish_t,
+        output_tokens=done_tokens,
+        record_t_s=np.arange(n_rec) * rec_every * cfg.tick_s,
+        decode_batch_per_gpu=rec_batch,
+        decode_kv_usage=rec_kv,
+        decode_step_s=rec_step,
+        prefill_utilisation=rec_putil,
+        hourly=hourly,
+        totals=totals,
+        model={
+            "prefill_seconds_per_token": s_per_token,
+            "prefill_expert_imbalance": prefill.balance.imbalance,
+            "decode_expert_imbalance": decode.balance.imbalance,
+            "prefill_dp_imbalance": imb["prefill"],
+            "decode_dp_imbalance_requests": imb["decode_requests"],
+            "decode_dp_imbalance_kv": imb["decode_kv"],
+            "decode_kv_capacity_tokens_per_gpu": decode.kv_capacity_tokens_per_gpu,
+        },
+    )

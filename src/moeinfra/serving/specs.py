@@ -1,0 +1,281 @@
+"""What is being served on what: model shape, GPU/node hardware, and a prefill or decode deployment unit.
+
+Presets: :data:`DEEPSEEK_V3` (published config), :data:`HARDWARE` (``h800`` with DeepSeek's published
+figures, ``h100``/``h200``/``b200`` with vendor peak figures), :func:`deepseek_prefill_unit` and
+:func:`deepseek_decode_unit` (the units DeepSeek described on 2025-02-28).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from moeinfra.errors import InputError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A DeepSeek-V3-style MLA + MoE transformer (dimensions in elements, not bytes)."""
+
+    name: str = "deepseek-v3"
+    num_layers: int = 61
+    num_dense_layers: int = 3
+    hidden: int = 7168
+    num_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    num_routed_experts: int = 256
+    num_expert_groups: int = 8
+    experts_per_token: int = 8
+    groups_per_token: int = 4
+    num_shared_experts: int = 1
+    moe_intermediate: int = 2048
+    dense_intermediate: int = 18432
+    vocab: int = 129_280
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_routed_experts",
+            "experts_per_token",
+        ):
+            if getattr(self, name) < 1:
+                raise InputError(f"ModelSpec.{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise InputError(
+                f"ModelSpec.num_dense_layers={self.num_dense_layers} must be in 0..{self.num_layers}"
+            )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def mla_params(self) -> int:
+        """Parameters of one MLA block's projections (q down/up, kv down/up, output)."""
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        return (
+            self.hidden * self.q_lora_rank
+            + self.q_lora_rank * self.num_heads * qk_head
+            + self.hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + self.num_heads * self.v_head_dim * self.hidden
+        )
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one (routed or shared) expert: gate, up and down projections."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.dense_intermediate
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """Compressed MLA KV cache entries per token per layer (512 latent + 64 RoPE = 576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """BF16 KV-cache bytes per token over all layers (1,152 x 61 = 70,272 for V3)."""
+        return 2 * self.kv_values_per_token_layer * self.num_layers
+
+    @property
+    def activated_params(self) -> int:
+        """Parameters touched per token (without embeddings), ~37B for V3."""
+        per_moe = (self.num_shared_experts + self.experts_per_token) * self.expert_params
+        return (
+            self.num_layers * self.mla_params
+            + self.num_moe_layers * per_moe
+            + (self.num_dense_layers * self.dense_mlp_params)
+            + self.hidden * self.vocab
+        )
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU node. Throughputs are peak figures; achieved fractions live in :class:`Efficiency`."""
+
+    name: str
+    gpus_per_node: int
+    fp8_tflops: float
+    bf16_tflops: float
+    hbm_gb: float
+    hbm_tb_per_s: float
+    nvlink_gb_per_s: float
+    rdma_gb_per_s: float
+    num_sms: int
+    gpu_hour_usd: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "gpus_per_node",
+            "fp8_tflops",
+            "bf16_tflops",
+            "hbm_gb",
+            "hbm_tb_per_s",
+            "nvlink_gb_per_s",
+            "rdma_gb_per_s",
+            "num_sms",
+        ):
+            if getattr(self, name) <= 0:
+                raise InputError(f"HardwareSpec.{name}={getattr(self, name)} must be > 0")
+        if self.gpu_hour_usd < 0:
+            raise InputError(f"HardwareSpec.gpu_hour_usd={self.gpu_hour_usd} must be >= 0")
+
+    @property
+    def node_hour_usd(self) -> float:
+        return self.gpu_hour_usd * self.gpus_per_node
+
+
+DEEPSEEK_V3 = ModelSpec()
+
+HARDWARE: dict[str, HardwareSpec] = {
+    # DeepSeek's published H800 figures (REFERENCE.md "Hardware and kernel figures").
+    "h800": HardwareSpec("h800", 8, 1979.0, 989.0, 80.0, 3.35, 160.0, 50.0, 132, 2.0),
+    # Vendor dense peak figures (NVIDIA data sheets, SXM parts, no sparsity); 400 Gb/s NIC per GPU.
+    "h100": HardwareSpec("h100", 8, 1979.0, 989.0, 80.0, 3.35, 450.0, 50.0, 132, 2.0),
+    "h200": HardwareSpec("h200", 8, 1979.0, 989.0, 141.0, 4.8, 450.0, 50.0, 132, 2.5),
+    # B200: 4.5 PFLOPS dense FP8, 2.25 PFLOPS dense BF16, 180 GB at 8 TB/s, NVLink 5 (900 GB/s/dir).
+    # GPU-hour prices other than DeepSeek's $2 for H800 are illustrative rental prices; override
+    # with dataclasses.replace(hardware("b200"), gpu_hour_usd=...).
+    "b200": HardwareSpec("b200", 8, 4500.0, 2250.0, 180.0, 8.0, 900.0, 50.0, 148, 4.0),
+}
+
+
+def hardware(name: str) -> HardwareSpec:
+    """The preset called ``name`` (case-insensitive)."""
+    key = name.lower()
+    if key not in HARDWARE:
+        raise InputError(f"hardware={name!r} is not one of {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One deployment unit of a phase: ``nodes`` nodes running EP=DP=``nodes * gpus_per_node``.
+
+    Attributes:
+        phase: ``"prefill"`` or ``"decode"``.
+        nodes: nodes per unit (DeepSeek: 4 prefill, 18 decode).
+        redundant_experts: extra routed-expert slots per layer (DeepSeek: 32 in both phases).
+        micro_batches: 2 (dual micro-batch overlap in both phases).
+        tokens_per_gpu: prefill only, tokens a GPU takes per forward step (DeepSeek's profile: 16K).
+        load_kind / load_skew: synthetic expert-load skew fed to EPLB for the expert imbalance.
+    """
+
+    phase: str
+    nodes: int
+    redundant_experts: int = 32
+    micro_batches: int = 2
+    tokens_per_gpu: int = 16_384
+    load_kind: str = "lognormal"
+    load_skew: float | None = None
+    load_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in ("prefill", "decode"):
+            raise InputError(f"Deployment.phase={self.phase!r} must be 'prefill' or 'decode'")
+        if self.nodes < 1:
+            raise InputError(f"Deployment.nodes={self.nodes} must be >= 1")
+        if self.redundant_experts < 0:
+            raise InputError(f"Deployment.redundant_experts={self.redundant_experts} must be >= 0")
+        if self.micro_batches not in (1, 2):
+            raise InputError(f"Deployment.micro_batches={self.micro_batches} must be 1 or 2")
+        if self.tokens_per_gpu < 1:
+            raise InputError(f"Deployment.tokens_per_gpu={self.tokens_per_gpu} must be >= 1")
+
+    def gpus(self, hw: HardwareSpec) -> int:
+        return self.nodes * hw.gpus_per_node
+
+    def with_(self, **changes: object) -> Deployment:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def deepseek_prefill_unit() -> Deployment:
+    """Prefill unit DeepSeek published: 4 nodes, EP32/DP32, 32 redundant experts (9 per GPU)."""
+    return Deployment("prefill", nodes=4)
+
+
+def deepseek_decode_unit() -> Deployment:
+    """Decode unit DeepSeek published: 18 nodes, EP144/DP144, 32 redundant experts (2 per GPU)."""
+    return Deployment("decode", nodes=18)
+
+
+@dataclass(frozen=True)
+class ExpertBalance:
+    """Expert imbalance of a deployment under EPLB, computed once per deployment.
+
+    ``imbalance`` = heaviest GPU's routed-expert load / mean (averaged over MoE layers) — the factor
+    on the routed-expert part of the MoE cost. ``nodes_per_token``: nodes a token's experts sit on.
+    """
+
+    imbalance: float
+    nodes_per_token: float
+    slots_per_gpu: int
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _BalanceKey:
+    model: ModelSpec
+    gpus: int
+    nodes: int
+    deployment: Deployment
+
+
+_BALANCE_CACHE: dict[_BalanceKey, ExpertBalance] = {}
+
+
+def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> ExpertBalance:
+    """Run EPLB (``moeinfra.eplb.rebalance``) on a synthetic skewed load and evaluate the plan.
+
+    The load has the skew of ``dep.load_kind``/``dep.load_skew`` over ``[moe_layers, experts]``.
+    Raises InputError when the slots cannot be spread evenly over the GPUs.
+    """
+    from moeinfra.eplb import evaluate, rebalance
+    from moeinfra.eplb.synthetic import synthetic_load
+
+    gpus = dep.gpus(hw)
+    key = _BalanceKey(model, gpus, dep.nodes, dep)
+    if key in _BALANCE_CACHE:
+        return _BALANCE_CACHE[key]
+    slots = model.num_routed_experts + dep.redundant_experts
+    if slots % gpus:
+        raise InputError(
+            f"routed experts + redundant_experts = {slots} must be a multiple of the unit's "
+            f"{gpus} GPUs"
+        )
+    load = synthetic_load(
+        dep.load_kind,
+        max(model.num_moe_layers, 1),
+        model.num_routed_experts,
+        experts_per_token=model.experts_per_token,
+        skew=dep.load_skew,
+        seed=dep.load_seed,
+    )
+    plan = rebalance(load, slots, model.num_expert_groups, dep.nodes, gpus)
+    summary = evaluate(plan, load, groups_per_token=model.groups_per_token).summary()
+    result = ExpertBalance(
+        imbalance=float(summary["max_over_mean"]),
+        nodes_per_token=float(min(summary["nodes_per_token"], model.groups_per_token, dep.nodes)),
+        slots_per_gpu=slots // gpus,
+        summary=summary,
+    )
+    _BALANCE_CACHE[key] = result
+    return result
+
+
+def as_array(value: object, name: str) -> np.ndarray:
+    """``value`` as a float64 array; raise InputError when it holds negatives or NaN."""
+    array = np.asarray(value, dtype=np.float64)
+    if np.any(~np.isfinite(array)) or np.any(array < 0):
+        raise InputError(f"{name} must hold finite values >= 0")
+    return array

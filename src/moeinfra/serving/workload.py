@@ -1,0 +1,340 @@
+"""Requests to serve: a generator (24 h arrival curve, length distributions, prefix-cache hits) and
+trace replay (Mooncake-style JSONL, Azure-style CSV).
+
+A :class:`Workload` holds sampled requests; each stands for ``scale`` real requests (the sampling rule
+of the simulator, see docs/serving-model.md), so token and request totals are ``scale`` x the sums.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.errors import InputError
+
+#: Relative demand per hour from 12:00 UTC+8, digitised from DeepSeek's day-6 income chart
+#: (column ``demand_rel_peak`` of deepseek_day6_hourly.csv; peak 1.0 at 22:00).
+DEEPSEEK_DAY_DEMAND = (
+    0.8706, 0.9187, 0.9815, 0.9963, 0.9815, 0.8965, 0.8632, 0.9519, 0.9889, 0.9926, 1.0, 0.9593,
+    0.7006, 0.5786, 0.4233, 0.2569, 0.2052, 0.2052, 0.2569, 0.4418, 0.7449, 0.9483, 0.9815, 0.963,
+)  # fmt: skip
+
+#: DeepSeek's published day (REFERENCE.md): tokens in and out, and the cache-hit share of input.
+PUBLISHED_INPUT_TOKENS = 608e9
+PUBLISHED_OUTPUT_TOKENS = 168e9
+PUBLISHED_CACHE_HIT = 342e9 / 608e9
+PUBLISHED_KV_PER_OUTPUT_TOKEN = 4_989.0
+CACHE_BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sampled requests, sorted by arrival.
+
+    Attributes:
+        arrival_s: ``[n]`` seconds from the start. input_tokens, output_tokens, cached_tokens: ``[n]``
+        int64 (cached = prompt prefix found in the KV cache, ``< input_tokens``).
+        scale: real requests each sampled request stands for (1 for a replayed trace).
+        duration_s: length of the window the workload covers.
+    """
+
+    arrival_s: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    scale: float = 1.0
+    duration_s: float = 86_400.0
+    name: str = "workload"
+
+    def __post_init__(self) -> None:
+        n = self.arrival_s.size
+        for field_name in ("input_tokens", "output_tokens", "cached_tokens"):
+            if getattr(self, field_name).shape != (n,):
+                raise InputError(f"Workload.{field_name} must have shape ({n},)")
+        if n and (np.any(np.diff(self.arrival_s) < 0)):
+            raise InputError("Workload.arrival_s must be sorted")
+        if n and (self.input_tokens.min() < 1 or self.output_tokens.min() < 1):
+            raise InputError("Workload input_tokens and output_tokens must be >= 1")
+        if n and np.any(self.cached_tokens >= self.input_tokens):
+            raise InputError("Workload.cached_tokens must be < input_tokens")
+        if self.scale <= 0 or self.duration_s <= 0:
+            raise InputError(
+                f"Workload scale={self.scale} and duration_s={self.duration_s} must be > 0"
+            )
+
+    @property
+    def size(self) -> int:
+        return int(self.arrival_s.size)
+
+    def totals(self) -> dict[str, float]:
+        """Real-scale requests and tokens (``scale`` x sampled sums)."""
+        s = self.scale
+        out = self.output_tokens.astype(np.float64)
+        kv = (self.input_tokens * out + out * (out - 1) / 2).sum()
+        return {
+            "requests": self.size * s,
+            "input_tokens": float(self.input_tokens.sum()) * s,
+            "cached_tokens": float(self.cached_tokens.sum()) * s,
+            "output_tokens": float(out.sum()) * s,
+            "kv_len_per_output_token": float(kv / max(out.sum(), 1.0)),
+        }
+
+    def window(self, start_s: float, end_s: float) -> Workload:
+        """Requests arriving in ``[start_s, end_s)``, times shifted to start at 0."""
+        lo, hi = np.searchsorted(self.arrival_s, [start_s, end_s])
+        return Workload(
+            self.arrival_s[lo:hi] - start_s,
+            self.input_tokens[lo:hi],
+            self.output_tokens[lo:hi],
+            self.cached_tokens[lo:hi],
+            self.scale,
+            end_s - start_s,
+            f"{self.name}[{start_s:g}:{end_s:g}]",
+        )
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Lognormal prompt and output lengths given by their means and coefficients of variation."""
+
+    mean_input: float
+    mean_output: float
+    input_cv: float = 1.5
+    output_cv: float = 1.0
+    max_context: int = 131_072
+
+    @classmethod
+    def from_published(
+        cls,
+        input_output_ratio: float = PUBLISHED_INPUT_TOKENS / PUBLISHED_OUTPUT_TOKENS,
+        kv_per_output_token: float = PUBLISHED_KV_PER_OUTPUT_TOKEN,
+        input_cv: float = 1.5,
+        output_cv: float = 1.0,
+    ) -> LengthModel:
+        """Means that give the published input:output ratio and mean KV length per output token.
+
+        With independent lengths, the KV length averaged over output tokens is
+        ``E[in] + (E[out^2] - E[out]) / (2 E[out]) = r m + (m (1 + cv^2) - 1) / 2`` for output mean m,
+        so ``m = (kv + 1/2) / (r + (1 + cv^2) / 2)``.
+        """
+        if input_output_ratio <= 0 or kv_per_output_token <= 0:
+            raise InputError("input_output_ratio and kv_per_output_token must be > 0")
+        m = (kv_per_output_token + 0.5) / (input_output_ratio + (1 + output_cv**2) / 2)
+        return cls(input_output_ratio * m, m, input_cv, output_cv)
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_tokens [n], output_tokens [n])`` int64, each >= 1, sum <= max_context."""
+        inputs = _lognormal(rng, self.mean_input, self.input_cv, n)
+        outputs = _lognormal(rng, self.mean_output, self.output_cv, n)
+        inputs = np.clip(np.rint(inputs), 1, self.max_context - 1).astype(np.int64)
+        outputs = np.clip(np.rint(outputs), 1, None).astype(np.int64)
+        outputs = np.minimum(outputs, self.max_context - inputs)
+        return inputs, outputs
+
+
+def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
+    sigma2 = math.log1p(cv * cv)
+    return rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), n)
+
+
+def cached_prefix(
+    inputs: np.ndarray, hit_ratio: float, rng: np.random.Generator, concentration: float = 2.0
+) -> np.ndarray:
+    """Cache-hit prefix per prompt: a Beta(mean=hit_ratio) share of it, in whole 64-token blocks
+    (rounded, so the expected hit share stays near ``hit_ratio``), always leaving >= 1 token to
+    compute."""
+    if not 0.0 <= hit_ratio < 1.0:
+        raise InputError(f"hit_ratio={hit_ratio} must be in [0, 1)")
+    if hit_ratio == 0.0:
+        return np.zeros_like(inputs)
+    share = rng.beta(hit_ratio * concentration, (1 - hit_ratio) * concentration, inputs.size)
+    blocks = np.rint(inputs * share / CACHE_BLOCK_TOKENS).astype(np.int64) * CACHE_BLOCK_TOKENS
+    return np.minimum(blocks, (inputs - 1) // CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS)
+
+
+def generate(
+    *,
+    requests_per_s_at_peak: float,
+    demand: tuple[float, ...] | np.ndarray = DEEPSEEK_DAY_DEMAND,
+    lengths: LengthModel | None = None,
+    hit_ratio: float = PUBLISHED_CACHE_HIT,
+    hours: float | None = None,
+    scale: float = 1.0,
+    seed: int = 0,
+    name: str = "generated",
+) -> Workload:
+    """Poisson arrivals with a rate that is piecewise constant per hour (``demand[h]`` x peak rate).
+
+    Each sampled request stands for ``scale`` real ones (arrivals are thinned by ``1/scale``).
+    ``hours`` defaults to ``len(demand)``; the curve repeats when longer.
+    """
+    demand = np.asarray(demand, dtype=np.float64)
+    if demand.ndim != 1 or demand.size == 0 or np.any(demand < 0):
+        raise InputError("demand must be a non-empty 1-D curve of values >= 0")
+    if requests_per_s_at_peak <= 0 or scale <= 0:
+        raise InputError(
+            f"requests_per_s_at_peak={requests_per_s_at_peak} and scale={scale} must be > 0"
+        )
+    hours = float(demand.size if hours is None else hours)
+    if hours <= 0:
+        raise InputError(f"hours={hours} must be > 0")
+    rng = np.random.default_rng(seed)
+    lengths = lengths or LengthModel.from_published()
+    whole = math.ceil(hours)
+    starts = np.arange(whole) * 3600.0
+    spans = np.minimum(3600.0, hours * 3600.0 - starts)
+    counts = rng.poisson(
+        requests_per_s_at_peak * demand[np.arange(whole) % demand.size] * spans / scale
+    )
+    arrival = np.repeat(starts, counts) + rng.random(counts.sum()) * np.repeat(spans, counts)
+    arrival.sort()
+    inputs, outputs = lengths.sample(arrival.size, rng)
+    cached = cached_prefix(inputs, hit_ratio, rng)
+    return Workload(arrival, inputs, outputs, cached, scale, hours * 3600.0, name)
+
+
+def deepseek_day(scale: float = 100.0, seed: int = 0, hours: float | None = None) -> Workload:
+    """DeepSeek's day: the hourly demand curve with the peak rate at which the curve's expected
+    prompt tokens equal the published 608B (the demand is an input; what the fleet serves of it,
+    and how fast, is what the simulator finds)."""
+    lengths = LengthModel.from_published()
+    peak_rate = PUBLISHED_INPUT_TOKENS / (sum(DEEPSEEK_DAY_DEMAND) * 3600.0 * lengths.mean_input)
+    return generate(
+        requests_per_s_at_peak=peak_rate,
+        lengths=lengths,
+        hours=hours,
+        scale=scale,
+        seed=seed,
+        name="deepseek-v3-day",
+    )
+
+
+# ---- trace replay ------------------------------------------------------------------------------
+
+
+def _parse_time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return datetime.fromisoformat(text.strip()[:26]).timestamp()
+
+
+def _prefix_hits(hash_ids: list, seen: set, block_tokens: int) -> int:
+    hits = 0
+    for h in hash_ids:
+        if h not in seen:
+            break
+        hits += 1
+    seen.update(hash_ids)
+    return hits * block_tokens
+
+
+def read_trace(
+    path: str | Path,
+    *,
+    skip_bad: bool = False,
+    time_unit_s: float | None = None,
+    hash_block_tokens: int = 512,
+    hit_ratio: float = 0.0,
+    seed: int = 0,
+) -> tuple[Workload, int]:
+    """Read a request trace; return ``(workload, bad_lines_skipped)``.
+
+    * ``.jsonl``: one object per line with ``timestamp``, ``input_length``, ``output_length`` and
+      optional ``hash_ids`` (prefix blocks of ``hash_block_tokens`` tokens, as in Mooncake traces;
+      a block seen earlier is a cache hit). Timestamps in ms unless ``time_unit_s`` is given.
+    * ``.csv``: header ``timestamp,input_tokens,output_tokens`` (or Azure's
+      ``TIMESTAMP,ContextTokens,GeneratedTokens``); timestamps in seconds or ISO date-times.
+
+    Without ``hash_ids`` the cache-hit prefix follows the ``hit_ratio`` model. Bad lines raise
+    InputError naming the line number, or are skipped and counted with ``skip_bad``.
+    """
+    path = Path(path)
+    rows: list[tuple[float, int, int, int]] = []
+    bad = 0
+    has_hashes = False
+    seen: set = set()
+
+    def fail(line_no: int, why: str) -> None:
+        nonlocal bad
+        if not skip_bad:
+            raise InputError(f"{path}:{line_no}: {why}")
+        bad += 1
+
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        unit = 1e-3 if time_unit_s is None else time_unit_s
+        with path.open(encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    t = float(obj["timestamp"]) * unit
+                    n_in, n_out = int(obj["input_length"]), int(obj["output_length"])
+                    hashes = obj.get("hash_ids")
+                except (ValueError, KeyError, TypeError) as exc:
+                    fail(line_no, f"not a request object ({type(exc).__name__}: {exc})")
+                    continue
+                if n_in < 1 or n_out < 1 or not math.isfinite(t):
+                    fail(line_no, f"input_length={n_in} and output_length={n_out} must be >= 1")
+                    continue
+                cached = 0
+                if hashes is not None:
+                    has_hashes = True
+                    cached = min(_prefix_hits(list(hashes), seen, hash_block_tokens), n_in - 1)
+                rows.append((t, n_in, n_out, cached))
+    elif suffix == ".csv":
+        unit = 1.0 if time_unit_s is None else time_unit_s
+        with path.open(encoding="utf-8", newline="") as handle:
+            reader = csv.reader(handle)
+            header = [h.strip().lower() for h in next(reader, [])]
+            names = {
+                "timestamp": ("timestamp",),
+                "in": ("input_tokens", "contexttokens"),
+                "out": ("output_tokens", "generatedtokens"),
+            }
+            try:
+                cols = {
+                    k: next(header.index(c) for c in v if c in header) for k, v in names.items()
+                }
+            except StopIteration:
+                raise InputError(
+                    f"{path}:1: header {header} must name timestamp,input_tokens,output_tokens"
+                ) from None
+            for line_no, row in enumerate(reader, 2):
+                if not row:
+                    continue
+                try:
+                    t = _parse_time(row[cols["timestamp"]]) * unit
+                    n_in, n_out = int(row[cols["in"]]), int(row[cols["out"]])
+                except (ValueError, IndexError) as exc:
+                    fail(line_no, f"bad row {row!r} ({exc})")
+                    continue
+                if n_in < 1 or n_out < 1:
+                    fail(line_no, f"input_tokens={n_in} and output_tokens={n_out} must be >= 1")
+                    continue
+                rows.append((t, n_in, n_out, 0))
+    else:
+        raise InputError(f"trace {str(path)!r} must end in .jsonl or .csv")
+    if not rows:
+        raise InputError(f"trace {str(path)!r} holds no valid request")
+    data = np.array(rows, dtype=np.float64)
+    order = np.argsort(data[:, 0], kind="stable")
+    data = data[order]
+    arrival = data[:, 0] - data[0, 0]
+    inputs = data[:, 1].astype(np.int64)
+    cached = data[:, 3].astype(np.int64)
+    if not has_hashes and hit_ratio > 0:
+        cached = cached_prefix(inputs, hit_ratio, np.random.default_rng(seed))
+    duration = float(arrival[-1]) + 1.0
+    return (
+        Workload(arrival, inputs, data[:, 2].astype(np.int64), cached, 1.0, duration, path.stem),
+        bad,
+    )

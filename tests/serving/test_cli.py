@@ -1,0 +1,127 @@
+"""``moeinfra serve`` round trips."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moeinfra.cli.serve import parse_duration_s
+from moeinfra.errors import InputError
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+REQUIRED = [
+    "hours",
+    "peak_nodes",
+    "avg_nodes",
+    "cost_usd",
+    "input_tokens",
+    "cache_hit_input_tokens",
+    "output_tokens",
+    "revenue_usd",
+    "margin",
+    "prefill_tokens_per_s_per_node",
+    "decode_tokens_per_s_per_node",
+    "mean_output_tokens_per_s",
+    "mean_kv_len_per_output_token",
+    "requests",
+    "hourly",
+]
+
+
+def test_simulate_json_and_output_folder(tmp_path):
+    result = cli("simulate", "--hours", "0.25", "--scale", "400", "--json", "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    for key in REQUIRED:
+        assert key in payload
+    req = payload["requests"]
+    assert set(req) >= {"arrived", "completed", "running", "rejected"}
+    assert req["arrived"] == req["completed"] + req["running"] + req["rejected"]
+    assert payload["hourly"][0]["nodes"] == 278
+    assert {"hour", "nodes", "cost_usd", "revenue_usd"} <= set(payload["hourly"][0])
+    assert json.loads((tmp_path / "result.json").read_text())["cost_usd"] == payload["cost_usd"]
+    assert (tmp_path / "hourly.csv").read_text().startswith("hour,nodes")
+    assert (tmp_path / "requests.npz").stat().st_size > 0
+    assert result.stderr == ""  # no progress bar when not a TTY
+
+
+def test_simulate_trace_replay_with_skip_bad(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        json.dumps({"timestamp": i * 50, "input_length": 2000 + i, "output_length": 50})
+        for i in range(200)
+    ]
+    lines.insert(7, "{broken")
+    trace.write_text("\n".join(lines) + "\n")
+    bad = cli("simulate", "--workload", str(trace), "--json")
+    assert bad.returncode == 2
+    assert "trace.jsonl:8:" in bad.stderr and "Traceback" not in bad.stderr
+    good = cli("simulate", "--workload", str(trace), "--skip-bad", "--json")
+    assert good.returncode == 0, good.stderr
+    payload = json.loads(good.stdout)
+    assert payload["bad_lines_skipped"] == 1
+    assert payload["requests"]["arrived"] == 200
+    assert "skipped 1 bad line" in good.stderr
+
+
+def test_plan_json(tmp_path):
+    trace = tmp_path / "trace.csv"
+    rows = ["timestamp,input_tokens,output_tokens"] + [
+        f"{i * 0.05:.2f},{1500 + (i * 37) % 3000},{100 + (i * 13) % 400}" for i in range(4000)
+    ]
+    trace.write_text("\n".join(rows) + "\n")
+    result = cli(
+        "plan", "--workload", str(trace), "--slo-ttft-p95", "2s", "--slo-tpot", "50ms", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["prefill"]["meets_slo"] and payload["decode"]["meets_slo"]
+    assert payload["decode"]["metric_s"] <= 0.05
+    assert payload["prefill"]["metric_s"] <= 2.0
+    cheapest = min(
+        o["cost_usd"] for o in payload["options"] if o["phase"] == "decode" and o["meets_slo"]
+    )
+    assert payload["decode"]["cost_usd"] == cheapest
+
+
+def test_model_json_and_table():
+    result = cli("model", "--phase", "decode", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["gpus"] == 144 and len(payload["layers"]) == 61
+    layer = payload["layers"][10]
+    assert layer["layer_ms"] >= max(layer["compute_ms"], layer["comm_ms"]) - 1e-9
+    table = cli("model", "--phase", "prefill")
+    assert table.returncode == 0 and "MoE x58" in table.stdout
+    bad = cli("model", "--phase", "train")
+    assert bad.returncode == 2 and "--phase" in bad.stderr
+
+
+def test_bad_options_are_one_line_errors():
+    result = cli("simulate", "--hardware", "a100", "--hours", "0.1")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: hardware='a100'")
+
+
+def test_parse_duration():
+    assert parse_duration_s("2s", "x") == 2.0
+    assert parse_duration_s("50ms", "x") == 0.05
+    assert parse_duration_s("0.5", "x") == 0.5
+    with pytest.raises(InputError, match="--slo"):
+        parse_duration_s("fast", "--slo")
+
+
+def test_simulate_table_output():
+    result = cli("simulate", "--hours", "0.05", "--scale", "1000")
+    assert result.returncode == 0, result.stderr
+    assert "requests:" in result.stdout and "cost_usd" in result.stdout

@@ -1,0 +1,161 @@
+"""Specs, performance model and cost model."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeinfra.errors import InputError
+from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.specs import (
+    DEEPSEEK_V3,
+    HARDWARE,
+    Deployment,
+    deepseek_decode_unit,
+    deepseek_prefill_unit,
+    hardware,
+)
+
+
+@pytest.fixture(scope="module")
+def units():
+    hw = hardware("h800")
+    return PerfModel(deepseek_prefill_unit(), hw), PerfModel(deepseek_decode_unit(), hw)
+
+
+def test_deepseek_v3_shape():
+    m = DEEPSEEK_V3
+    assert m.num_moe_layers == 58
+    assert m.kv_values_per_token_layer == 576
+    assert 2 * m.kv_values_per_token_layer == 1_152  # bytes per token per layer (BF16)
+    assert 36e9 < m.activated_params < 38e9  # "37B activated"
+
+
+def test_presets_and_bad_names():
+    assert set(HARDWARE) >= {"h800", "h100", "h200", "b200"}
+    assert hardware("H800").fp8_tflops == 1979.0
+    with pytest.raises(InputError, match="hardware='a100'"):
+        hardware("a100")
+    with pytest.raises(InputError, match="phase"):
+        Deployment("train", 4)
+
+
+def test_published_units_hold_9_and_2_experts_per_gpu(units):
+    prefill, decode = units
+    assert prefill.gpus == 32 and prefill.balance.slots_per_gpu == 9
+    assert decode.gpus == 144 and decode.balance.slots_per_gpu == 2
+    # EPLB can balance 9 slots per GPU almost perfectly; 2 per GPU cannot be
+    assert prefill.balance.imbalance < 1.01 < decode.balance.imbalance
+
+
+def test_slots_must_divide(units):
+    with pytest.raises(InputError, match="multiple"):
+        PerfModel(Deployment("decode", 18, redundant_experts=0), hardware("h800"))
+
+
+def test_decode_step_grows_with_batch_and_kv(units):
+    _, decode = units
+    b = np.array([8, 32, 64, 128, 256], float)
+    steps = decode.decode_step_s(b, 4096.0)
+    assert np.all(np.diff(steps) > 0)
+    assert np.all(np.diff(decode.decode_step_s(64.0, np.array([1e3, 4e3, 16e3]))) > 0)
+    # throughput saturates: tokens/s per GPU rises with batch but sublinearly
+    tput = b / steps
+    assert np.all(np.diff(tput) > 0) and tput[-1] / tput[0] < b[-1] / b[0]
+
+
+def test_vectorised_step_equals_breakdown(units):
+    _, decode = units
+    assert decode.decode_step_s(64.0, 4989.0) == pytest.approx(
+        decode.decode_breakdown(64.0, 4989.0).step_s, rel=1e-9
+    )
+
+
+def test_layer_is_max_of_paths_plus_exposed(units):
+    for b in (units[0].prefill_breakdown(), units[1].decode_breakdown(100.0, 5000.0)):
+        assert np.all(b.layer >= np.maximum(b.compute, b.comm) - 1e-15)
+        assert np.all(b.layer <= b.compute + b.comm + 1e-15)
+        assert b.step_s == pytest.approx(b.layer.sum() + b.head_s)
+
+
+def test_decode_memory_bound_core_attention(units):
+    """Decode core attention reads the compressed KV: 1,152 bytes per token per layer."""
+    _, decode = units
+    b = decode.decode_breakdown(64.0, 4096.0)
+    kv_bytes = 64 * 4096 * 1152
+    floor = kv_bytes / (3.35e12 * decode.eff.memory)
+    assert b.parts["core_attn"][10] >= floor * (1 - 1e-9)
+
+
+def test_capacity_exceeds_published_per_node_throughput(units):
+    """The per-node figures DeepSeek published are below the model's capacity (not capped by it)."""
+    prefill, decode = units
+    hit = 342 / 608
+    per_node = 1 / prefill.prefill_seconds_per_token(hit, 3909) / prefill.dep.nodes / (1 - hit)
+    assert per_node > 73.7e3
+    assert 128 * decode.gpus / decode.decode_step_s(128, 4989) / decode.dep.nodes > 14.8e3
+
+
+def test_faster_hardware_is_faster():
+    times = {
+        name: PerfModel(deepseek_decode_unit(), hardware(name)).decode_step_s(64, 4096)
+        for name in ("h800", "h200", "b200")
+    }
+    assert times["b200"] < times["h200"] < times["h800"]
+
+
+def test_kv_capacity_positive_and_weights_fit(units):
+    _, decode = units
+    assert decode.weight_bytes_per_gpu < 80e9
+    assert decode.kv_capacity_tokens_per_gpu > 100_000
+
+
+def test_cost_model_matches_published_arithmetic():
+    assert fleet_cost_usd(5_442, 8, 2.0) == 87_072
+    rev = revenue_usd(342e9, 266e9, 168e9, R1_PRICES)
+    assert rev == pytest.approx(562_027, rel=0.002)
+    assert margin(562_027, 87_072) == pytest.approx(5.45, abs=0.01)
+    with pytest.raises(InputError):
+        margin(1.0, 0.0)
+    with pytest.raises(InputError):
+        Prices(output=-1)
+
+
+def test_serving_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, moeinfra.serving, moeinfra.serving.figures, moeinfra.cli.serve; "
+        "import moeinfra.report.serving_section; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.floats(0.5, 512.0),
+    kv=st.floats(0.0, 128_000.0),
+    more=st.floats(1.01, 4.0),
+)
+def test_decode_step_is_positive_and_monotone(batch, kv, more):
+    decode = PerfModel(deepseek_decode_unit(), hardware("h800"))
+    base = float(decode.decode_step_s(batch, kv))
+    assert np.isfinite(base) and base > 0
+    assert float(decode.decode_step_s(batch * more, kv)) >= base
+    assert float(decode.decode_step_s(batch, kv * more + 1)) >= base
+
+
+def test_utilisation_schedule_whole_units():
+    from moeinfra.serving.schedule import utilisation_schedule
+
+    arrival = np.array([10.0, 20.0, 1000.0])
+    sched = utilisation_schedule(
+        arrival, np.array([630.0, 0.0, 10.0]), np.array([1260.0, 0.0, 0.0]), 1800.0, target=0.7
+    )
+    # first 15 minutes: 630 s of prefill work / (900 s * 0.7) = 1 unit, 1260 s decode -> 2 units
+    assert sched.at(0.0) == (1, 2)
+    assert sched.at(1000.0) == (1, 1)
+    assert sched.summary()["node_hours"] == pytest.approx((4 + 36) / 4 + (4 + 18) / 4)

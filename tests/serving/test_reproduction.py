@@ -1,0 +1,77 @@
+"""DeepSeek's published day (REFERENCE.md) reproduced by the default scenario."""
+
+import pytest
+
+from moeinfra.serving.scenario import PUBLISHED, published_vs_simulated
+
+
+def rel(a, b):
+    return abs(a / b - 1.0)
+
+
+def test_cost_and_nodes(day_result):
+    t = day_result.totals
+    assert rel(t["cost_usd"], 87_072) <= 0.005
+    assert t["peak_nodes"] == 278
+    assert t["avg_nodes"] == pytest.approx(226.75, rel=1e-9)
+
+
+def test_tokens_and_cache_hits(day_result):
+    t = day_result.totals
+    assert rel(t["input_tokens"], 608e9) <= 0.02
+    assert rel(t["output_tokens"], 168e9) <= 0.02
+    assert rel(t["cache_hit_input_tokens"], 342e9) <= 0.02
+    assert t["cache_hit_ratio"] == pytest.approx(0.563, abs=0.005)
+
+
+def test_revenue_and_margin(day_result):
+    t = day_result.totals
+    assert rel(t["revenue_usd"], 562_027) <= 0.02
+    assert abs(t["margin"] - 5.45) <= 0.15
+
+
+def test_per_node_throughput(day_result):
+    t = day_result.totals
+    assert rel(t["prefill_tokens_per_s_per_node"], 73.7e3) <= 0.15
+    assert rel(t["decode_tokens_per_s_per_node"], 14.8e3) <= 0.15
+
+
+def test_fleet_carries_the_load_with_room_to_spare(day_result):
+    """Throughput per node is achieved, not capped: nothing rejected, few requests left running."""
+    req = day_result.requests()
+    assert req["rejected"] == 0
+    assert req["running"] / req["arrived"] < 0.002
+
+
+def test_kv_length_per_output_token(day_result):
+    assert rel(day_result.totals["mean_kv_len_per_output_token"], 4_989) <= 0.02
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "the performance model built from DeepSeek's published kernel figures gives a decode step "
+        "of ~21 ms at the batch the published throughput implies, i.e. ~45-50 tokens/s, not the "
+        "published 20-22 (see docs/serving-model.md, 'What the model does not reproduce')"
+    ),
+)
+def test_mean_output_speed_published(day_result):
+    assert 20.0 <= day_result.totals["mean_output_tokens_per_s"] <= 22.0
+
+
+def test_published_table_covers_every_figure(day_result):
+    rows = published_vs_simulated(day_result.totals)
+    assert len(rows) == len(PUBLISHED)
+    assert all(len(r) == 4 for r in rows)
+
+
+def test_hourly_records_add_up(day_result):
+    hourly = day_result.hourly
+    assert len(hourly) == 24
+    assert sum(h["cost_usd"] for h in hourly) == pytest.approx(day_result.totals["cost_usd"])
+    assert sum(h["output_tokens"] for h in hourly) == pytest.approx(
+        day_result.totals["output_tokens"]
+    )
+    # the night trough of the node curve: 68 nodes from 03:30 to 06:30 (hours 16 and 17 fully)
+    assert hourly[16]["nodes"] == pytest.approx(68.0)
+    assert hourly[0]["nodes"] == pytest.approx(278.0)

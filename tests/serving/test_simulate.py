@@ -1,0 +1,211 @@
+"""Fleet simulator: conservation of requests, queueing behaviour, autoscaling, sampling rule."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moeinfra.errors import InputError
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.scenario import build_scenario
+from moeinfra.serving.schedule import (
+    FleetSchedule,
+    constant_schedule,
+    deepseek_day_schedule,
+)
+from moeinfra.serving.simulate import COMPLETED, REJECTED, RUNNING, SimConfig, _lindley, simulate
+from moeinfra.serving.specs import deepseek_decode_unit, deepseek_prefill_unit, hardware
+from moeinfra.serving.workload import Workload, generate
+
+HW = hardware("h800")
+PREFILL = PerfModel(deepseek_prefill_unit(), HW)
+DECODE = PerfModel(deepseek_decode_unit(), HW)
+
+
+def small_workload(rate=20.0, hours=0.1, seed=0):
+    return generate(requests_per_s_at_peak=rate, demand=(1.0,), hours=hours, seed=seed)
+
+
+def test_deepseek_schedule_integrates_to_published_node_hours():
+    s = deepseek_day_schedule()
+    summary = s.summary()
+    assert summary["node_hours"] == 5_442
+    assert summary["avg_decode_nodes"] == 131.25 and summary["avg_prefill_nodes"] == 95.5
+    p, d = s.at(16 * 3600.0)
+    assert (int(p), int(d)) == (8, 2)
+
+
+def test_requests_add_up_in_the_hour(hour_result):
+    _, result = hour_result
+    req = result.requests()
+    assert req["arrived"] == req["completed"] + req["running"] + req["rejected"]
+    assert req["completed"] > 0.9 * req["arrived"]
+
+
+def test_hour_latencies_are_sane(hour_result):
+    _, result = hour_result
+    done = result.status == COMPLETED
+    assert np.all(result.ttft_s[done] > 0)
+    assert np.all(result.finish_s[done] > 0)
+    tpot = result.tpot_s[np.isfinite(result.tpot_s)]
+    assert 0.005 < np.median(tpot) < 0.2
+    assert np.nanmax(result.decode_kv_usage) <= 1.0
+
+
+def test_lindley_matches_a_loop():
+    rng = np.random.default_rng(0)
+    n, units = 200, 3
+    arrival = np.sort(rng.random(n) * 10)
+    unit = rng.integers(0, units, n)
+    work = rng.random(n) * 0.2
+    busy = np.array([0.5, 0.0, 2.0])
+    fin, new_busy = _lindley(unit, arrival, work, busy)
+    expect = np.empty(n)
+    b = busy.copy()
+    for i in range(n):
+        start = max(arrival[i], b[unit[i]])
+        b[unit[i]] = expect[i] = start + work[i]
+    np.testing.assert_allclose(fin, expect)
+    np.testing.assert_allclose(new_busy, b)
+
+
+def test_overload_rejects_with_reasons_and_never_loses_requests():
+    w = small_workload(rate=400.0, hours=0.05)
+    result = simulate(
+        w,
+        constant_schedule(1, 1, w.duration_s),
+        PREFILL,
+        DECODE,
+        SimConfig(max_prefill_wait_s=5.0, max_decode_wait_s=5.0),
+    )
+    req = result.requests()
+    assert req["rejected"] > 0
+    assert req["arrived"] == req["completed"] + req["running"] + req["rejected"]
+    assert set(np.unique(result.reason[result.status == REJECTED])) <= {0, 1}
+    assert np.all(result.reason[result.status != REJECTED] == -1)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rate=st.floats(1.0, 60.0),
+    prefill_units=st.integers(1, 3),
+    decode_units=st.integers(1, 2),
+    seed=st.integers(0, 1000),
+)
+def test_conservation_fuzz(rate, prefill_units, decode_units, seed):
+    w = small_workload(rate=rate, hours=0.02, seed=seed)
+    result = simulate(
+        w,
+        constant_schedule(prefill_units, decode_units, w.duration_s),
+        PREFILL,
+        DECODE,
+        SimConfig(max_prefill_wait_s=2.0),
+    )
+    counts = np.bincount(result.status, minlength=3)
+    assert counts.sum() == w.size
+    assert counts[COMPLETED] + counts[RUNNING] + counts[REJECTED] == w.size
+    done = result.status == COMPLETED
+    assert np.all(result.output_tokens[done] == w.output_tokens[done])
+    assert np.all(result.finish_s[done] >= w.arrival_s[done] + result.ttft_s[done] - 1e-9)
+
+
+def test_scale_down_moves_requests_and_keeps_them():
+    w = small_workload(rate=40.0, hours=0.1)
+    sched = FleetSchedule(np.array([0.0, 180.0]), np.array([2, 1]), np.array([3, 1]), 4, 18, 360.0)
+    result = simulate(w, sched, PREFILL, DECODE)
+    req = result.requests()
+    assert req["rejected"] == 0
+    assert req["arrived"] == req["completed"] + req["running"]
+    assert result.hourly[0]["nodes"] == pytest.approx((2 * 4 + 3 * 18 + 1 * 4 + 1 * 18) / 2)
+
+
+def test_more_decode_units_means_faster_tokens():
+    w = small_workload(rate=300.0, hours=0.05)
+    speeds = []
+    for d in (1, 3):
+        r = simulate(w, constant_schedule(4, d, w.duration_s), PREFILL, DECODE)
+        speeds.append(r.totals["mean_output_tokens_per_s"])
+    assert speeds[1] > speeds[0]
+
+
+def test_deepseek_balancers_beat_baselines():
+    w = small_workload(rate=100.0, hours=0.05)
+    sched = constant_schedule(2, 1, w.duration_s)
+    ours = simulate(w, sched, PREFILL, DECODE, SimConfig(balancer="deepseek"))
+    base = simulate(w, sched, PREFILL, DECODE, SimConfig(balancer="baseline"))
+    assert ours.model["prefill_dp_imbalance"] < base.model["prefill_dp_imbalance"]
+    assert ours.model["decode_dp_imbalance_kv"] < base.model["decode_dp_imbalance_kv"]
+    assert np.nanmean(ours.tpot_s) < np.nanmean(base.tpot_s)
+
+
+def test_sampling_rule_error_is_small():
+    """The same half hour sampled at 1:25 and 1:200.
+
+    Token totals differ only by sampling noise (within 4 standard errors, ~1% at 1:200), the share
+    of the offered tokens that is served within the window by < 0.5 points, the speed by < 5%.
+    """
+    runs = []
+    for scale, seed in ((25.0, 1), (200.0, 2)):
+        scenario = build_scenario(hours=0.5, scale=scale, seed=seed)
+        w = scenario.workload
+        out = w.output_tokens.astype(float)
+        stderr = np.sqrt(w.size) * out.std() / out.sum()  # relative standard error of the total
+        totals = scenario.run().totals
+        runs.append((totals, totals["output_tokens"] / (out.sum() * w.scale), stderr))
+    (fine, fine_share, fine_err), (coarse, coarse_share, coarse_err) = runs
+    bound = 4 * np.hypot(fine_err, coarse_err)
+    assert bound < 0.05
+    for key in ("input_tokens", "output_tokens", "revenue_usd"):
+        assert coarse[key] == pytest.approx(fine[key], rel=bound)
+    assert abs(coarse_share - fine_share) < 0.005
+    assert coarse["mean_output_tokens_per_s"] == pytest.approx(
+        fine["mean_output_tokens_per_s"], rel=0.05
+    )
+
+
+def test_sampling_rule_keeps_latency_distributions():
+    """Six minutes simulated exactly (1:1) and at 1:100: TTFT and TPOT percentiles within 10%."""
+    exact = build_scenario(hours=0.1, scale=1.0).run().to_dict(hourly=False)
+    sampled = build_scenario(hours=0.1, scale=100.0, seed=5).run().to_dict(hourly=False)
+    for name in ("ttft_s", "tpot_s"):
+        for q in ("p50", "p95"):
+            assert sampled[name][q] == pytest.approx(exact[name][q], rel=0.10)
+
+
+def test_auto_fleet_for_a_trace_like_workload():
+    w = small_workload(rate=30.0, hours=0.25)
+    scenario = build_scenario(workload=w)
+    assert scenario.schedule.prefill_units.min() >= 1
+    result = scenario.run()
+    assert result.requests()["rejected"] == 0
+
+
+def test_bad_inputs():
+    w = small_workload(hours=0.01)
+    with pytest.raises(InputError, match="prefill PerfModel"):
+        simulate(w, constant_schedule(1, 1, 60.0), DECODE, PREFILL)
+    with pytest.raises(InputError, match="balancer"):
+        SimConfig(balancer="random")
+    with pytest.raises(InputError, match="scenario"):
+        build_scenario("nope")
+    with pytest.raises(InputError, match="sorted"):
+        Workload(np.array([2.0, 1.0]), np.array([5, 5]), np.array([1, 1]), np.array([0, 0]))
+
+
+def test_planner_finds_fewer_units_for_less_traffic():
+    from moeinfra.serving.planner import plan_capacity
+
+    light = small_workload(rate=5.0, hours=0.05, seed=3)
+    heavy = small_workload(rate=400.0, hours=0.05, seed=3)
+    kw = dict(
+        slo_ttft_p95_s=1.0,
+        slo_tpot_p95_s=0.05,
+        prefill_candidates=((4, 32),),
+        decode_candidates=((4, 32),),
+    )
+    small, big = plan_capacity(light, **kw), plan_capacity(heavy, **kw)
+    assert small.nodes < big.nodes
+    assert big.prefill.meets_slo and big.decode.meets_slo
+    assert big.prefill.metric_s <= 1.0 and big.decode.metric_s <= 0.05
+    with pytest.raises(InputError, match="slo_ttft_p95_s"):
+        plan_capacity(light, slo_ttft_p95_s=0, slo_tpot_p95_s=0.05)

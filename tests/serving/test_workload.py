@@ -1,0 +1,101 @@
+"""Workload generator and trace replay."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moeinfra.errors import InputError
+from moeinfra.serving.workload import (
+    DEEPSEEK_DAY_DEMAND,
+    LengthModel,
+    deepseek_day,
+    generate,
+    read_trace,
+)
+
+
+def test_demand_curve_matches_the_csv_shape():
+    assert len(DEEPSEEK_DAY_DEMAND) == 24
+    assert max(DEEPSEEK_DAY_DEMAND) == 1.0 and DEEPSEEK_DAY_DEMAND[10] == 1.0
+    assert min(DEEPSEEK_DAY_DEMAND) == pytest.approx(0.2052)
+
+
+def test_length_model_hits_published_ratios():
+    m = LengthModel.from_published()
+    assert m.mean_input / m.mean_output == pytest.approx(608 / 168)
+    kv = m.mean_input + (m.mean_output * (1 + m.output_cv**2) - 1) / 2
+    assert kv == pytest.approx(4_989)
+    w = deepseek_day(scale=2_000, seed=3)
+    t = w.totals()
+    assert t["input_tokens"] / t["output_tokens"] == pytest.approx(608 / 168, rel=0.03)
+    assert t["cached_tokens"] / t["input_tokens"] == pytest.approx(0.563, abs=0.01)
+    assert np.all(w.cached_tokens < w.input_tokens)
+    assert np.all(w.cached_tokens % 64 == 0)
+
+
+def test_arrivals_follow_the_curve():
+    w = generate(requests_per_s_at_peak=50, demand=(1.0, 0.25), seed=1)
+    first = np.count_nonzero(w.arrival_s < 3600)
+    second = w.size - first
+    assert second / first == pytest.approx(0.25, rel=0.05)
+    assert np.all(np.diff(w.arrival_s) >= 0)
+
+
+def test_generate_rejects_bad_input():
+    with pytest.raises(InputError, match="requests_per_s_at_peak"):
+        generate(requests_per_s_at_peak=0)
+    with pytest.raises(InputError, match="hit_ratio"):
+        generate(requests_per_s_at_peak=1, hit_ratio=1.0, hours=0.01)
+
+
+def test_jsonl_mooncake_replay_with_prefix_hits(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 1200, "output_length": 5, "hash_ids": [1, 2, 4]},
+        {"timestamp": 1000, "input_length": 600, "output_length": 7, "hash_ids": [9, 1]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    w, bad = read_trace(path)
+    assert bad == 0
+    assert w.arrival_s.tolist() == [0.0, 0.5, 1.0]  # Mooncake timestamps are milliseconds
+    assert w.cached_tokens.tolist() == [0, 1024, 0]  # two 512-token blocks seen before
+
+
+def test_bad_lines_name_the_line_or_are_counted(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 3}\n'
+        "not json\n"
+        '{"timestamp": 5, "input_length": 0, "output_length": 3}\n'
+        '{"timestamp": 9, "input_length": 7, "output_length": 2}\n'
+    )
+    with pytest.raises(InputError, match=r"t\.jsonl:2:"):
+        read_trace(path)
+    w, bad = read_trace(path, skip_bad=True)
+    assert bad == 2 and w.size == 2
+
+
+def test_csv_azure_replay(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:51.0,oops,1\n"
+    )
+    with pytest.raises(InputError, match=r"azure\.csv:4:"):
+        read_trace(path)
+    w, bad = read_trace(path, skip_bad=True)
+    assert bad == 1
+    assert w.input_tokens.tolist() == [374, 396]
+    assert w.arrival_s[1] == pytest.approx(4.3146, abs=1e-3)
+    simple = tmp_path / "s.csv"
+    simple.write_text("timestamp,input_tokens,output_tokens\n2.0,10,5\n1.0,20,6\n")
+    w, _ = read_trace(simple)
+    assert w.input_tokens.tolist() == [20, 10]  # sorted by time
+    with pytest.raises(InputError, match="header"):
+        bad_header = tmp_path / "h.csv"
+        bad_header.write_text("a,b,c\n1,2,3\n")
+        read_trace(bad_header)
