@@ -1,6 +1,6 @@
 """Expert-parallel MoE step time with and without dual micro-batch overlap, injected network delay.
 
-Run: ``.venv/bin/python -m benchmarks.bench_moe [--reps 7] [--delay-ms 8] [--worlds 2 4]``
+Run: ``.venv/bin/python -m benchmarks.bench_moe [--reps 7] [--delay-ms 4] [--worlds 2 4]``
 
 Each world size is one set of spawned gloo ranks: the tiny preset with 4 decoder layers and a wider
 expert (moe_intermediate_size 512, so that expert compute outweighs attention as in DeepSeek-V3's
@@ -64,7 +64,7 @@ def bench_world(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--delay-ms", type=float, default=8.0)
+    parser.add_argument("--delay-ms", type=float, default=4.0)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
