@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 
-from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT  # noqa: F401 (re-exported)
 from moeinfra.eplb.synthetic import synthetic_load
 
 PREFILL = {"num_replicas": 288, "num_groups": 8, "num_nodes": 4, "num_gpus": 32}

@@ -8,8 +8,7 @@ import torch
 
 from moeinfra.eplb import Plan
 from moeinfra.eplb.loadfile import read_load
-
-from .conftest import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
+from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -4,8 +4,7 @@ import torch
 
 from moeinfra.eplb import rebalance_experts
 from moeinfra.eplb.deepseek import balanced_packing
-
-from .conftest import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
+from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
 
 
 def test_published_readme_example_exact():

@@ -4,8 +4,9 @@ import torch
 
 from moeinfra.eplb import POLICIES, evaluate, rebalance
 from moeinfra.eplb.local_search import duplicate_slots
+from moeinfra.eplb.published import EXAMPLE_WEIGHT
 
-from .conftest import DECODE, EXAMPLE_WEIGHT, PREFILL, check_plan_invariants
+from .conftest import DECODE, PREFILL, check_plan_invariants
 
 
 @pytest.mark.parametrize("policy", POLICIES)

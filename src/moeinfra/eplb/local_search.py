@@ -12,15 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def gpu_presence(phy2log: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
-    """``[L, num_gpus, E]`` how many slots of each GPU hold each expert."""
-    num_layers, num_replicas = phy2log.shape
-    slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
-    flat = (np.arange(num_layers)[:, None] * num_gpus + slot_gpu) * num_experts + phy2log
-    counts = np.bincount(flat.ravel(), minlength=num_layers * num_gpus * num_experts)
-    return counts.astype(np.int16).reshape(num_layers, num_gpus, num_experts)
-
-
 def duplicate_slots(phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
     """``[L, R]`` True for each slot whose expert already sits in an earlier slot of the same GPU."""
     num_layers, num_replicas = phy2log.shape

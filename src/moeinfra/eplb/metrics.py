@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 
 from moeinfra.eplb.inputs import Layout, to_numpy_load
-from moeinfra.eplb.local_search import gpu_presence
 from moeinfra.eplb.packing import replicate_spread
-from moeinfra.eplb.plan import Plan, replica_load
+from moeinfra.eplb.plan import Plan, gpu_presence, replica_load
 from moeinfra.errors import InputError
 
 

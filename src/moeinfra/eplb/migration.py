@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from moeinfra.eplb.local_search import gpu_presence
-from moeinfra.eplb.plan import Plan
+from moeinfra.eplb.plan import Plan, gpu_presence
 from moeinfra.errors import InputError
 
 

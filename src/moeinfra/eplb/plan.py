@@ -149,6 +149,15 @@ def count_replicas(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     return np.bincount(flat.ravel(), minlength=num_layers * num_experts).reshape(num_layers, -1)
 
 
+def gpu_presence(phy2log: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
+    """``[L, num_gpus, E]`` how many slots of each GPU hold each expert."""
+    num_layers, num_replicas = phy2log.shape
+    slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
+    flat = (np.arange(num_layers)[:, None] * num_gpus + slot_gpu) * num_experts + phy2log
+    counts = np.bincount(flat.ravel(), minlength=num_layers * num_gpus * num_experts)
+    return counts.astype(np.int16).reshape(num_layers, num_gpus, num_experts)
+
+
 def make_plan(
     phy2log: np.ndarray, load: np.ndarray, layout: Layout, policy: str, metrics: dict | None = None
 ) -> Plan:

@@ -55,7 +55,7 @@ from moeinfra.eplb.local_search import (
 )
 from moeinfra.eplb.metrics import fanout, lower_bound, nodes_per_token
 from moeinfra.eplb.packing import expand_counts, replicate_spread, round_robin_pack
-from moeinfra.eplb.plan import Plan, count_replicas, make_plan, replica_load
+from moeinfra.eplb.plan import Plan, count_replicas, gpu_loads, make_plan, replica_load
 from moeinfra.errors import InputError
 
 POLICIES = ("auto", "hierarchical", "global", "deepseek")
@@ -68,8 +68,8 @@ def _slot_loads(load: np.ndarray, phy2log: np.ndarray, lay: Layout) -> np.ndarra
 
 def _max_gpu_load(load: np.ndarray, phy2log: np.ndarray, lay: Layout) -> np.ndarray:
     """``[L]`` heaviest GPU of each layer of ``phy2log`` under ``load``."""
-    slots = _slot_loads(load, phy2log, lay)
-    return slots.reshape(slots.shape[0], lay.num_gpus, -1).sum(axis=2).max(axis=1)
+    counts = count_replicas(phy2log, lay.num_experts)
+    return gpu_loads(load, phy2log, counts, lay.num_gpus).max(axis=1)
 
 
 def _expert_node(phy2log: np.ndarray, lay: Layout) -> np.ndarray:

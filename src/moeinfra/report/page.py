@@ -2,7 +2,7 @@
 
 Section builders live one per capability (``report/eplb_section.py``, ...). Each takes the output folder,
 writes its figures there, and returns a :class:`Section`. :func:`write_report` writes ``index.html``
-atomically (``write_text_atomic`` is re-exported here for section builders).
+atomically.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeinfra.atomicio import write_text_atomic
-
-__all__ = ["Section", "figure_html", "table_html", "write_report", "write_text_atomic"]
 
 
 @dataclass(frozen=True)

@@ -264,20 +264,8 @@ class PerfModel:
         )
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
-        return self._assemble(
-            "prefill",
-            n,
-            mb,
-            attn_proj,
-            core,
-            shared,
-            routed,
-            gate,
-            dense,
-            dispatch,
-            combine,
-            head_tokens=n / 4096.0,
-        )
+        parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
+        return self._assemble("prefill", n, mb, *parts, head_tokens=n / 4096.0)
 
     def prefill_seconds_per_token(
         self, cached_fraction: float = 0.0, mean_prompt: float = 4096.0

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from moeinfra.errors import InputError
 
 
@@ -271,11 +269,3 @@ def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> Exper
     )
     _BALANCE_CACHE[key] = result
     return result
-
-
-def as_array(value: object, name: str) -> np.ndarray:
-    """``value`` as a float64 array; raise InputError when it holds negatives or NaN."""
-    array = np.asarray(value, dtype=np.float64)
-    if np.any(~np.isfinite(array)) or np.any(array < 0):
-        raise InputError(f"{name} must hold finite values >= 0")
-    return array
