@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import platform
 
+import numba
 import numpy as np
 
 from moeinfra.eplb.bench import markdown_table, run_benchmark
@@ -19,7 +20,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = run_benchmark(repeats=args.repeats)
     print(
-        f"python {platform.python_version()}, numpy {np.__version__}, {args.repeats} timed calls per cell\n"
+        f"python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__}, "
+        f"{args.repeats} timed calls per cell\n"
     )
     print(markdown_table(rows))
 

@@ -8,7 +8,8 @@
 * :class:`LoadEstimator` — per-step expert counts to the load to balance (window or EMA).
 * :func:`replica_for_tokens` — which replica serves each routed token.
 
-Depends on numpy only; torch tensors are accepted and returned where the DeepSeek contract has them.
+Depends on numpy and numba (the per-layer greedy and local-search loops are compiled); torch tensors
+are accepted and returned where the DeepSeek contract has them.
 """
 
 from moeinfra.eplb.deepseek import rebalance_experts

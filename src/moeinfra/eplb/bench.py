@@ -24,7 +24,8 @@ DEPLOYMENTS = {
 
 
 def _median_time(call: Callable[[], object], repeats: int) -> tuple[float, object]:
-    times, result = [], None
+    """Median seconds of ``repeats`` calls after one untimed call (which loads the compiled kernels)."""
+    times, result = [], call()
     for _ in range(repeats):
         start = time.perf_counter()
         result = call()

@@ -1,23 +1,26 @@
-"""DeepSeek's published EPLB policy (``rebalance_experts``), reimplemented vectorised over layers.
+"""DeepSeek's published EPLB policy (``rebalance_experts``), reimplemented for all layers at once.
 
 Same contract and same results as DeepSeek's release, including its float32 arithmetic and its
-tie-breaking (lowest index wins), but each step runs on all layers at once instead of a Python loop
-over 0-d tensors. Sorting is stable, so equal loads keep expert order.
+tie-breaking (lowest index wins), but its greedy loops run numba-compiled over all layers instead
+of a Python loop over 0-d tensors. Sorting is stable, so equal loads keep expert order.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 
 from moeinfra.eplb.inputs import check_layout, like_input, to_numpy_load
+from moeinfra.eplb.packing import descending_order, pack_rows
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """Pack ``n`` weighted items into ``num_packs`` packs of exactly ``n / num_packs`` items each.
 
-    Items go in descending weight order, each to the lightest pack that still has room.
+    Items go in descending weight order (stable), each to the lightest pack that still has room
+    (lowest index on ties); pack loads are summed in the dtype of ``weight`` (float32 like DeepSeek).
 
     Args:
         weight: ``[X, n]`` item weights, one packing problem per row.
@@ -32,29 +35,59 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
             np.broadcast_to(np.arange(num_items, dtype=np.int64), weight.shape).copy(),
             np.zeros(weight.shape, dtype=np.int64),
         )
-    order = np.argsort(-weight, axis=1, kind="stable")
-    sorted_weight = np.take_along_axis(weight, order, axis=1)
-    # Full packs get +inf so argmin never picks them; keys stay in the input dtype (float32 like DeepSeek).
-    key = np.zeros(rows * num_packs, dtype=weight.dtype)
-    count = np.zeros(rows * num_packs, dtype=np.int64)
-    row_base = np.arange(rows, dtype=np.int64) * num_packs
-    chosen = np.empty((rows, num_items), dtype=np.int64)
-    rank = np.empty((rows, num_items), dtype=np.int64)
-    key_2d = key.reshape(rows, num_packs)
-    inf = np.array(np.inf, dtype=weight.dtype)
-    for k in range(num_items):
-        pack = key_2d.argmin(axis=1)
-        flat = row_base + pack
-        chosen[:, k] = pack
-        filled = count[flat]
-        rank[:, k] = filled
-        count[flat] = filled + 1
-        key[flat] = np.where(filled + 1 == per_pack, inf, key[flat] + sorted_weight[:, k])
-    pack_index = np.empty_like(chosen)
-    rank_in_pack = np.empty_like(rank)
-    np.put_along_axis(pack_index, order, chosen, axis=1)
-    np.put_along_axis(rank_in_pack, order, rank, axis=1)
+    weight = np.ascontiguousarray(weight)
+    bins = np.empty((rows, num_packs, per_pack), dtype=np.int64)
+    distinct = np.broadcast_to(np.arange(num_items, dtype=np.int64), weight.shape)
+    pack_rows(weight, np.ascontiguousarray(distinct), descending_order(weight), num_packs, bins)
+    pack_index = np.empty((rows, num_items), dtype=np.int64)
+    rank_in_pack = np.empty((rows, num_items), dtype=np.int64)
+    flat_bins = bins.reshape(rows, num_items)
+    np.put_along_axis(pack_index, flat_bins, np.arange(num_items) // per_pack, axis=1)
+    np.put_along_axis(rank_in_pack, flat_bins, np.arange(num_items) % per_pack, axis=1)
     return pack_index, rank_in_pack
+
+
+@numba.njit(cache=True)
+def _replicate_rows(weight, phy2log, rank, logcnt):
+    """Per row: each redundant slot to the expert with the largest ``weight / count`` (computed in
+    the dtype of ``weight``), lowest index on ties; experts sit in a max-heap on that order."""
+    rows, num_logical = weight.shape
+    value = np.empty(num_logical, dtype=weight.dtype)
+    heap = np.empty(num_logical, dtype=np.int64)
+    for row in range(rows):
+        for expert in range(num_logical):
+            value[expert] = weight[row, expert]
+            heap[expert] = expert
+        for start in range(num_logical // 2 - 1, -1, -1):
+            _sift_max(heap, value, num_logical, start)
+        for slot in range(num_logical, phy2log.shape[1]):
+            expert = heap[0]
+            phy2log[row, slot] = expert
+            rank[row, slot] = logcnt[row, expert]
+            logcnt[row, expert] += 1
+            value[expert] = weight[row, expert] / weight.dtype.type(logcnt[row, expert])
+            _sift_max(heap, value, num_logical, 0)
+
+
+@numba.njit(cache=True)
+def _sift_max(heap, value, size, parent):
+    item = heap[parent]
+    while True:
+        child = 2 * parent + 1
+        if child >= size:
+            break
+        right = child + 1
+        if right < size and (
+            value[heap[right]] > value[heap[child]]
+            or (value[heap[right]] == value[heap[child]] and heap[right] < heap[child])
+        ):
+            child = right
+        top = heap[child]
+        if value[top] < value[item] or (value[top] == value[item] and top > item):
+            break
+        heap[parent] = top
+        parent = child
+    heap[parent] = item
 
 
 def replicate_experts(
@@ -73,12 +106,7 @@ def replicate_experts(
     phy2log = np.broadcast_to(np.arange(num_physical, dtype=np.int64), (rows, num_physical)).copy()
     rank = np.zeros((rows, num_physical), dtype=np.int64)
     logcnt = np.ones((rows, num_logical), dtype=np.int64)
-    arange_rows = np.arange(rows)
-    for slot in range(num_logical, num_physical):
-        expert = (weight / logcnt.astype(weight.dtype)).argmax(axis=1)
-        phy2log[:, slot] = expert
-        rank[:, slot] = logcnt[arange_rows, expert]
-        logcnt[arange_rows, expert] += 1
+    _replicate_rows(np.ascontiguousarray(weight), phy2log, rank, logcnt)
     return phy2log, rank, logcnt
 
 

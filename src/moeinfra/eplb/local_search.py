@@ -1,4 +1,4 @@
-"""Improve a placement by swapping slots between GPUs, vectorised over layers.
+"""Improve a placement by swapping slots between GPUs, layer by layer in numba-compiled loops.
 
 Replica counts stay fixed, so every slot keeps its load (expert load / replica count) and a swap
 moves two loads between two GPUs. Each step takes the heaviest GPU of every layer and applies the
@@ -9,20 +9,29 @@ the heaviest GPU, when the move budget is spent, or after ``max_steps``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+
+
+@numba.njit(cache=True)
+def _duplicate_rows(phy2log, slots_per_gpu, flags):
+    num_layers, num_replicas = phy2log.shape
+    for layer in range(num_layers):
+        for first in range(0, num_replicas, slots_per_gpu):
+            for slot in range(first + 1, first + slots_per_gpu):
+                for earlier in range(first, slot):
+                    if phy2log[layer, earlier] == phy2log[layer, slot]:
+                        flags[layer, slot] = True
+                        break
 
 
 def duplicate_slots(phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
     """``[L, R]`` True for each slot whose expert already sits in an earlier slot of the same GPU."""
-    num_layers, num_replicas = phy2log.shape
-    per_gpu = phy2log.reshape(num_layers, num_gpus, -1)
-    order = np.argsort(per_gpu, axis=2, kind="stable")
-    ordered = np.take_along_axis(per_gpu, order, axis=2)
-    repeat = np.zeros_like(ordered, dtype=bool)
-    repeat[:, :, 1:] = ordered[:, :, 1:] == ordered[:, :, :-1]
-    flags = np.empty_like(repeat)
-    np.put_along_axis(flags, order, repeat, axis=2)
-    return flags.reshape(num_layers, num_replicas)
+    flags = np.zeros(phy2log.shape, dtype=bool)
+    _duplicate_rows(
+        np.ascontiguousarray(phy2log, dtype=np.int64), phy2log.shape[1] // num_gpus, flags
+    )
+    return flags
 
 
 def repair_duplicates(
@@ -70,34 +79,166 @@ def _swap(phy2log, slot_load, layer, slot_a, slot_b) -> None:
     slot_load[layer, slot_a], slot_load[layer, slot_b] = load_b, load_a
 
 
+@numba.njit(cache=True, inline="always")
+def _holds_expert(phy2log, layer, gpu, slots_per_gpu, expert):
+    for slot in range(gpu * slots_per_gpu, (gpu + 1) * slots_per_gpu):
+        if phy2log[layer, slot] == expert:
+            return True
+    return False
+
+
+@numba.njit(cache=True)
+def _best_swap(phy2log, slot_load, gpu_load, by_load, layer, domain_size, slots_per_gpu, bar):
+    """The swap of a slot of the heaviest GPU with a slot of another GPU of its domain that gives
+    the lowest pair maximum below ``bar``, keeping both GPUs free of duplicate experts; partners are
+    tried lightest first, so the search stops at the first GPU whose mean with the heavy one is not
+    below the best found. Returns ``(own slot, other slot, pair max)``, ``(-1, -1, bar)`` if none."""
+    num_gpus = by_load.shape[1]
+    heavy = by_load[layer, num_gpus - 1]
+    heavy_load = gpu_load[layer, heavy]
+    domain = heavy // domain_size
+    best_own, best_other, best_max = -1, -1, bar
+    for rank in range(num_gpus - 1):
+        gpu = by_load[layer, rank]
+        other_load = gpu_load[layer, gpu]
+        if heavy_load + other_load >= 2.0 * best_max:  # the pair max is at least their mean
+            break
+        if gpu // domain_size != domain:
+            continue
+        for own in range(heavy * slots_per_gpu, (heavy + 1) * slots_per_gpu):
+            own_load = slot_load[layer, own]
+            own_checked, own_clashes = False, False
+            for other in range(gpu * slots_per_gpu, (gpu + 1) * slots_per_gpu):
+                delta = own_load - slot_load[layer, other]
+                if delta <= 0.0:
+                    continue
+                pair_max = max(heavy_load - delta, other_load + delta)
+                if pair_max >= best_max:
+                    continue
+                if not own_checked:
+                    own_clashes = _holds_expert(
+                        phy2log, layer, gpu, slots_per_gpu, phy2log[layer, own]
+                    )
+                    own_checked = True
+                if own_clashes:
+                    break
+                if _holds_expert(phy2log, layer, heavy, slots_per_gpu, phy2log[layer, other]):
+                    continue
+                best_own, best_other, best_max = own, other, pair_max
+    return best_own, best_other, best_max
+
+
+@numba.njit(cache=True)
+def _resort(by_load, gpu_load, layer, gpu):
+    """Move ``gpu`` to its place in ``by_load[layer]`` (ascending load, ties by index) after its
+    load changed."""
+    order, loads = by_load[layer], gpu_load[layer]
+    at = 0
+    while order[at] != gpu:
+        at += 1
+    while at > 0 and (
+        loads[order[at - 1]] > loads[gpu]
+        or (loads[order[at - 1]] == loads[gpu] and order[at - 1] > gpu)
+    ):
+        order[at] = order[at - 1]
+        at -= 1
+    while at < order.shape[0] - 1 and (
+        loads[order[at + 1]] < loads[gpu]
+        or (loads[order[at + 1]] == loads[gpu] and order[at + 1] < gpu)
+    ):
+        order[at] = order[at + 1]
+        at += 1
+    order[at] = gpu
+
+
+@numba.njit(cache=True)
+def _swap_rows(
+    phy2log, slot_load, num_gpus, domain_size, target, min_gain, max_steps, budget, moves
+):
+    num_layers, num_replicas = phy2log.shape
+    slots_per_gpu = num_replicas // num_gpus
+    gpu_load = np.zeros((num_layers, num_gpus))
+    by_load = np.empty((num_layers, num_gpus), dtype=np.int64)
+    for layer in range(num_layers):
+        for slot in range(num_replicas):
+            gpu_load[layer, slot // slots_per_gpu] += slot_load[layer, slot]
+        by_load[layer] = np.argsort(gpu_load[layer], kind="mergesort")
+    active = np.ones(num_layers, dtype=np.bool_)
+    own = np.empty(num_layers, dtype=np.int64)
+    other = np.empty(num_layers, dtype=np.int64)
+    gain = np.empty(num_layers)
+    for _ in range(max_steps):
+        if budget < 2:
+            break
+        found = 0
+        for layer in range(num_layers):
+            gain[layer] = -1.0
+            if not active[layer]:
+                continue
+            heavy_load = gpu_load[layer, by_load[layer, num_gpus - 1]]
+            if heavy_load <= target[layer]:
+                active[layer] = False
+                continue
+            a, b, pair_max = _best_swap(
+                phy2log,
+                slot_load,
+                gpu_load,
+                by_load,
+                layer,
+                domain_size,
+                slots_per_gpu,
+                heavy_load * (1.0 - min_gain),
+            )
+            if a < 0:
+                active[layer] = False
+                continue
+            own[layer], other[layer] = a, b
+            gain[layer] = (heavy_load - pair_max) / heavy_load
+            found += 1
+        if found == 0:
+            break
+        if 2 * found > budget:  # the largest relative gains first
+            order = np.argsort(-gain, kind="mergesort")
+            for rank in range(budget // 2, num_layers):
+                gain[order[rank]] = -1.0
+        for layer in range(num_layers):
+            if gain[layer] < 0.0:
+                continue
+            a, b = own[layer], other[layer]
+            delta = slot_load[layer, a] - slot_load[layer, b]
+            gpu_load[layer, a // slots_per_gpu] -= delta
+            gpu_load[layer, b // slots_per_gpu] += delta
+            _resort(by_load, gpu_load, layer, a // slots_per_gpu)
+            _resort(by_load, gpu_load, layer, b // slots_per_gpu)
+            phy2log[layer, a], phy2log[layer, b] = phy2log[layer, b], phy2log[layer, a]
+            slot_load[layer, a], slot_load[layer, b] = slot_load[layer, b], slot_load[layer, a]
+            moves[layer] += 2
+            budget -= 2
+
+
 def improve_by_swaps(
     phy2log: np.ndarray,
     slot_load: np.ndarray,
     num_gpus: int,
     *,
     gpus_per_domain: int | None = None,
-    heavy_gpus: int = 2,
-    partner_gpus: int = 4,
     target: np.ndarray | None = None,
-    max_steps: int = 500,
+    max_steps: int = 1000,
     min_gain: float = 1e-9,
     max_total_moves: int | None = None,
 ) -> np.ndarray:
-    """Swap slots between GPUs (within a domain) to lower each layer's heaviest GPUs; in place.
+    """Swap slots between GPUs (within a domain) to lower each layer's heaviest GPU; in place.
 
-    Each step takes the ``heavy_gpus`` heaviest GPUs of every layer; the ``i``-th of them may swap with
-    the lightest GPUs of its domain at ranks ``i, i + heavy_gpus, ...`` (``partner_gpus`` of them), so
-    the swaps of one step touch disjoint GPUs and can be applied together. A swap is applied if it
-    lowers its heavy GPU by more than ``min_gain`` of that GPU's load without raising the partner to
-    that load. A layer stops when its heaviest GPU has no such swap or reaches ``target``.
+    Each step takes the heaviest GPU of every layer and applies its best swap: the one with a slot of
+    any other GPU of its domain that gives the lowest maximum of the two GPUs' new loads, if that is
+    below the heavy GPU's load by more than ``min_gain`` of it and neither GPU then holds an expert
+    twice. A layer stops when its heaviest GPU has no such swap or reaches ``target``.
 
     Args:
-        phy2log: ``[L, R]`` expert per slot, modified in place.
-        slot_load: ``[L, R]`` load per slot (moves with its slot), modified in place.
+        phy2log: ``[L, R]`` expert per slot (int64, C-contiguous), modified in place.
+        slot_load: ``[L, R]`` load per slot (float64, C-contiguous; moves with its slot), in place.
         num_gpus: GPUs per layer. gpus_per_domain: swaps stay inside blocks of this many GPUs
             (GPUs per node keeps a hierarchical plan's node assignment); ``None`` = all GPUs.
-        heavy_gpus: heavy GPUs improved per step (1 = only the heaviest, for budgeted migration).
-        partner_gpus: light GPUs each heavy GPU may swap with.
         target: ``[L]`` a layer stops once its heaviest GPU is at or below this (e.g. a lower bound).
         max_steps: cap on iterations. min_gain: see above.
         max_total_moves: cap on changed slots over all layers (a swap changes two); when a step
@@ -105,106 +246,22 @@ def improve_by_swaps(
     Returns:
         ``[L]`` number of slots changed per layer.
     """
-    num_layers, num_replicas = phy2log.shape
-    slots_per_gpu = num_replicas // num_gpus
-    domain_size = gpus_per_domain or num_gpus
-    num_heavy = max(1, min(heavy_gpus, domain_size // 2))
-    num_partners = min(partner_gpus, (domain_size - num_heavy) // num_heavy)
-    gpu_domain = np.arange(num_gpus) // domain_size
+    num_layers = phy2log.shape[0]
+    if target is None:
+        target = np.full(num_layers, -np.inf)
     moves = np.zeros(num_layers, dtype=np.int64)
     budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
-    active = np.full(num_layers, budget >= 2 and num_partners > 0)
-    rows = np.arange(num_layers)
-    own_offsets = np.arange(slots_per_gpu)
-    partner_ranks = np.arange(num_heavy)[:, None] + num_heavy * np.arange(num_partners)  # [H, P]
-    for _ in range(max_steps):
-        layers = rows[active]
-        if layers.size == 0:
-            break
-        count = layers.size
-        load = slot_load[layers]
-        gpu_load = load.reshape(count, num_gpus, slots_per_gpu).sum(axis=2)
-        heavy = np.argsort(-gpu_load, axis=1, kind="stable")[
-            :, :num_heavy
-        ]  # [A, H], heaviest first
-        heavy_load = np.take_along_axis(gpu_load, heavy, axis=1)
-        if target is not None:
-            done = heavy_load[:, 0] <= target[layers]
-            if done.any():
-                active[layers[done]] = False
-                continue
-        heavy_slots = heavy[:, :, None] * slots_per_gpu + own_offsets  # [A, H, S]
-        experts = phy2log[layers]
-        heavy_slot_load = np.take_along_axis(load, heavy_slots.reshape(count, -1), axis=1).reshape(
-            heavy_slots.shape
-        )
-        heavy_experts = np.take_along_axis(experts, heavy_slots.reshape(count, -1), axis=1).reshape(
-            heavy_slots.shape
-        )
-
-        is_heavy = np.zeros((count, num_gpus), dtype=bool)
-        np.put_along_axis(is_heavy, heavy, True, axis=1)
-        outside = gpu_domain[None, None, :] != gpu_domain[heavy][:, :, None]  # [A, H, G]
-        ranked = np.where(outside | is_heavy[:, None, :], np.inf, gpu_load[:, None, :])
-        by_lightness = np.argsort(ranked, axis=2, kind="stable")
-        light = np.take_along_axis(
-            by_lightness, np.broadcast_to(partner_ranks, (count, *partner_ranks.shape)), axis=2
-        )
-        light_load = np.take_along_axis(ranked, light, axis=2)  # [A, H, P]
-        partner_slots = (light[..., None] * slots_per_gpu + own_offsets).reshape(
-            count, num_heavy, -1
-        )
-        partner_load = np.take_along_axis(load, partner_slots.reshape(count, -1), axis=1).reshape(
-            partner_slots.shape
-        )
-        partner_experts = np.take_along_axis(
-            experts, partner_slots.reshape(count, -1), axis=1
-        ).reshape(partner_slots.shape)
-
-        delta = heavy_slot_load[..., None] - partner_load[:, :, None, :]  # [A, H, S, P*S]
-        pair_max = np.maximum(
-            heavy_load[:, :, None, None] - delta,
-            np.repeat(light_load, slots_per_gpu, axis=2)[:, :, None, :] + delta,
-        )
-        # A swap must not put an expert on a GPU that already holds it.
-        partner_grid = partner_experts.reshape(count, num_heavy, 1, num_partners, slots_per_gpu)
-        partner_gpu_has = (heavy_experts[..., None, None] == partner_grid).any(
-            axis=4
-        )  # [A, H, S, P]
-        heavy_has = (partner_experts[..., None] == heavy_experts[:, :, None, :]).any(
-            axis=3
-        )  # [A, H, P*S]
-        allowed = (
-            (delta > 0)
-            & ~np.repeat(partner_gpu_has, slots_per_gpu, axis=3)
-            & ~heavy_has[:, :, None, :]
-        )
-        gain = np.where(allowed, heavy_load[:, :, None, None] - pair_max, -np.inf).reshape(
-            count, num_heavy, -1
-        )
-        flat_best = gain.argmax(axis=2)  # [A, H]
-        best_gain = np.take_along_axis(gain, flat_best[..., None], axis=2)[..., 0]
-        apply = best_gain > min_gain * heavy_load
-        active[layers[~apply[:, 0]]] = False
-        layer_index, heavy_index = np.nonzero(apply)
-        if layer_index.size == 0:
-            continue
-        if 2 * layer_index.size > budget:
-            relative_gain = (
-                best_gain[layer_index, heavy_index] / heavy_load[layer_index, heavy_index]
-            )
-            keep = np.argsort(-relative_gain, kind="stable")[: budget // 2]
-            layer_index, heavy_index = layer_index[keep], heavy_index[keep]
-        best = flat_best[layer_index, heavy_index]
-        per_partner = partner_slots.shape[2]
-        own_slots = heavy_slots[layer_index, heavy_index, best // per_partner]
-        partners = partner_slots[layer_index, heavy_index, best % per_partner]
-        swap_layers = layers[layer_index]
-        _swap(phy2log, slot_load, swap_layers, own_slots, partners)
-        np.add.at(moves, swap_layers, 2)
-        budget -= 2 * layer_index.size
-        if budget < 2:
-            break
+    _swap_rows(
+        phy2log,
+        slot_load,
+        num_gpus,
+        gpus_per_domain or num_gpus,
+        np.ascontiguousarray(target, dtype=np.float64),
+        float(min_gain),
+        int(max_steps),
+        budget,
+        moves,
+    )
     return moves
 
 

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from moeinfra.atomicio import atomic_path
@@ -128,17 +129,21 @@ def gpu_loads(
     return slots.reshape(slots.shape[0], num_gpus, -1).sum(axis=2)
 
 
-def replica_ranks(phy2log: np.ndarray) -> np.ndarray:
+@numba.njit(cache=True)
+def _rank_rows(phy2log, num_experts, ranks):
+    seen = np.zeros(num_experts, dtype=np.int64)
+    for layer in range(phy2log.shape[0]):
+        seen[:] = 0
+        for slot in range(phy2log.shape[1]):
+            expert = phy2log[layer, slot]
+            ranks[layer, slot] = seen[expert]
+            seen[expert] += 1
+
+
+def replica_ranks(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     """``[L, R]`` replica index of each slot among the slots of the same expert, in slot order."""
-    num_layers, num_replicas = phy2log.shape
-    order = np.argsort(phy2log, axis=1, kind="stable")
-    sorted_experts = np.take_along_axis(phy2log, order, axis=1)
-    positions = np.broadcast_to(np.arange(num_replicas), (num_layers, num_replicas))
-    is_start = np.ones_like(sorted_experts, dtype=bool)
-    is_start[:, 1:] = sorted_experts[:, 1:] != sorted_experts[:, :-1]
-    start_pos = np.maximum.accumulate(np.where(is_start, positions, 0), axis=1)
-    ranks = np.empty_like(phy2log)
-    np.put_along_axis(ranks, order, positions - start_pos, axis=1)
+    ranks = np.empty(phy2log.shape, dtype=np.int64)
+    _rank_rows(np.ascontiguousarray(phy2log, dtype=np.int64), num_experts, ranks)
     return ranks
 
 
@@ -165,7 +170,7 @@ def make_plan(
     from moeinfra.eplb.deepseek import build_log2phy
 
     logcnt = count_replicas(phy2log, layout.num_experts)
-    log2phy = build_log2phy(phy2log, replica_ranks(phy2log), layout.num_experts)
+    log2phy = build_log2phy(phy2log, replica_ranks(phy2log, layout.num_experts), layout.num_experts)
     return Plan(
         phy2log=phy2log.astype(np.int64, copy=False),
         log2phy=log2phy,

@@ -4,8 +4,8 @@ Policies:
 
 * ``"deepseek"`` — DeepSeek's published policy (:mod:`moeinfra.eplb.deepseek`).
 * ``"global"`` — replicate over all GPUs (counts capped at ``num_gpus`` so no GPU holds an expert
-  twice; ties spread over experts), pack replicas in rounds onto the GPUs, then swap slots between
-  GPUs to lower the heaviest one (:mod:`moeinfra.eplb.local_search`).
+  twice; ties spread over experts), pack replicas heaviest first, each onto the lightest GPU with a free
+  slot that does not hold its expert yet, then swap slots between GPUs to lower the heaviest one (:mod:`moeinfra.eplb.local_search`).
 * ``"hierarchical"`` — DeepSeek's group-to-node packing (each expert group stays on one node, so a
   token reaches at most ``groups_per_token`` nodes), then the same replicate / pack / swap steps
   inside each node. Needs ``num_groups % num_nodes == 0``.
@@ -54,7 +54,7 @@ from moeinfra.eplb.local_search import (
     shift_replicas,
 )
 from moeinfra.eplb.metrics import fanout, lower_bound, nodes_per_token
-from moeinfra.eplb.packing import expand_counts, replicate_spread, round_robin_pack
+from moeinfra.eplb.packing import expand_counts, pack_lightest_first, replicate_spread
 from moeinfra.eplb.plan import Plan, count_replicas, gpu_loads, make_plan, replica_load
 from moeinfra.errors import InputError
 
@@ -82,10 +82,10 @@ def _expert_node(phy2log: np.ndarray, lay: Layout) -> np.ndarray:
 
 
 def _pack_global(load: np.ndarray, counts: np.ndarray, lay: Layout) -> np.ndarray:
-    """Replicas (``counts [L, E]``) packed in rounds onto all GPUs; ``[L, R]``."""
+    """Replicas (``counts [L, E]``) packed heaviest first onto the lightest GPUs; ``[L, R]``."""
     slot_expert = expand_counts(counts)
     slot_load = np.take_along_axis(load / counts, slot_expert, axis=1)
-    bins = round_robin_pack(slot_load, lay.num_gpus, slot_expert)
+    bins = pack_lightest_first(slot_load, lay.num_gpus, slot_expert)
     return np.take_along_axis(slot_expert, bins.reshape(load.shape[0], -1), axis=1)
 
 
@@ -100,7 +100,7 @@ def _pack_hierarchical(load: np.ndarray, ds_phy2log: np.ndarray, lay: Layout) ->
     counts = replicate_spread(node_load, per_node, lay.gpus_per_node)
     local_expert = expand_counts(counts)
     slot_load = np.take_along_axis(node_load / counts, local_expert, axis=1)
-    bins = round_robin_pack(slot_load, lay.gpus_per_node, local_expert).reshape(rows, per_node)
+    bins = pack_lightest_first(slot_load, lay.gpus_per_node, local_expert).reshape(rows, per_node)
     local_slots = np.take_along_axis(local_expert, bins, axis=1)
     placed = np.take_along_axis(node_experts.reshape(rows, experts_per_node), local_slots, axis=1)
     return placed.reshape(num_layers, lay.num_replicas)
@@ -279,8 +279,6 @@ def _migrate(
             _slot_loads(load, phy2log, lay),
             lay.num_gpus,
             gpus_per_domain=domain,
-            heavy_gpus=1,  # spend moves only on the heaviest GPU
-            partner_gpus=domain,  # a migration is rare: search every partner, fewer moves suffice
             target=target,
             min_gain=min_gain,
             max_total_moves=budget_left(),
