@@ -271,6 +271,7 @@ def model_cmd(
         "gpus": perf.gpus,
         "step_ms": b.step_s * 1e3,
         "head_ms": b.head_s * 1e3,
+        "overhead_ms": b.overhead_s * 1e3,
         "tokens_per_gpu": b.tokens_per_gpu,
         "tokens_per_s_per_node": tokens_per_s / dep.nodes,
         "expert_imbalance": perf.balance.imbalance,
@@ -301,4 +302,7 @@ def model_cmd(
         table.add_row(name, *(f"{values[i] * 1e3:.3f}" for i in columns))
     console = Console()
     console.print(table)
-    console.print(f"head {b.head_s * 1e3:.3f} ms; expert imbalance {perf.balance.imbalance:.3f}")
+    console.print(
+        f"head {b.head_s * 1e3:.3f} ms; host and launch overhead {b.overhead_s * 1e3:.1f} ms; "
+        f"expert imbalance {perf.balance.imbalance:.3f}"
+    )

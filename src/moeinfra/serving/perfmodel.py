@@ -48,8 +48,15 @@ class Efficiency:
     rdma_normal_gb_per_s: DeepEP normal kernels' RDMA bottleneck bandwidth by EP degree
         (dispatch, combine), GB/s, on a 50 GB/s NIC; scaled by the NIC speed for other hardware.
     ll_latency_us_128: DeepEP low-latency kernels (dispatch, combine) for 128 tokens by EP degree;
-        scaled linearly with tokens (they are bandwidth-bound at this size) and by NIC speed.
-    comm_launch_s: fixed cost of one all-to-all call (kernel launch + RDMA round trip).
+        scaled by NIC speed.
+    ll_fixed_share: (dispatch, combine) share of the 128-token low-latency time that does not shrink
+        with fewer tokens; ``t(n) = t_128 * (share + (1 - share) * n / 128)``. From pplx-kernels'
+        EP128 IBGDA all-to-all on H100 (1 token vs 128 tokens per GPU: dispatch 125.9 vs 307.7 µs,
+        combine 63.2 vs 593.9 µs; a line through both points), the only published low-latency
+        all-to-all measured at both ends of the range.
+    comm_launch_s: fixed cost of one normal-kernel all-to-all call (kernel launch + RDMA round trip).
+    step_overhead_s: per forward step, host-side scheduling plus kernel-launch gaps: ~1.5 ms + ~2 ms
+        measured by Alibaba's RTP-LLM on H800 in DeepSeek's EP144 decode configuration.
     memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
     """
 
@@ -71,7 +78,9 @@ class Efficiency:
             256: (194.0, 360.0),
         }
     )
+    ll_fixed_share: tuple[float, float] = (0.405, 0.099)
     comm_launch_s: float = 10e-6
+    step_overhead_s: float = 3.5e-3
     memory_usable: float = 0.9
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
@@ -88,7 +97,8 @@ class LayerBreakdown:
     """Per-layer seconds of one step, per part (``parts[name]`` is ``[layers]``), and totals.
 
     ``compute`` / ``comm``: ``[layers]`` sums over both micro-batches; ``layer``: max of the two;
-    ``step_s``: sum over layers plus ``head_s``. ``tokens``: tokens the unit processes in the step.
+    ``step_s``: sum over layers plus ``head_s`` plus ``overhead_s`` (host and launch gaps).
+    ``tokens``: tokens the unit processes in the step.
     """
 
     phase: str
@@ -97,6 +107,7 @@ class LayerBreakdown:
     comm: np.ndarray
     layer: np.ndarray
     head_s: float
+    overhead_s: float
     step_s: float
     tokens_per_gpu: float
 
@@ -213,10 +224,8 @@ class PerfModel:
     def _a2a_low_latency(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP low-latency kernels."""
         scale = tokens * self.balance.imbalance / 128.0
-        return (
-            self._ll_128[0] * scale + self.eff.comm_launch_s,
-            self._ll_128[1] * scale + self.eff.comm_launch_s,
-        )
+        fixed = self.eff.ll_fixed_share
+        return tuple(self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
 
     # ---- prefill ---------------------------------------------------------------------------
     def prefill_breakdown(
@@ -329,7 +338,8 @@ class PerfModel:
         moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
         dense_layer = mb * (attn_proj + core + dense)
         head = self._gemm(2 * b * m.hidden * m.vocab, m.hidden * m.vocab)
-        return m.num_moe_layers * moe_layer + m.num_dense_layers * dense_layer + head
+        layers = m.num_moe_layers * moe_layer + m.num_dense_layers * dense_layer
+        return layers + head + self.eff.step_overhead_s
 
     # ---- shared assembly ---------------------------------------------------------------------
     def _assemble(
@@ -369,6 +379,6 @@ class PerfModel:
         )
         layer = np.where(is_moe, moe_layer, compute)
         head = float(self._gemm(2 * head_tokens * m.hidden * m.vocab, m.hidden * m.vocab))
-        return LayerBreakdown(
-            phase, parts, compute, comm, layer, head, float(layer.sum()) + head, float(n)
-        )
+        overhead = self.eff.step_overhead_s
+        step = float(layer.sum()) + head + overhead
+        return LayerBreakdown(phase, parts, compute, comm, layer, head, overhead, step, float(n))
