@@ -14,7 +14,12 @@ from moeinfra.serving.schedule import (
     deepseek_day_schedule,
 )
 from moeinfra.serving.simulate import COMPLETED, REJECTED, RUNNING, SimConfig, _lindley, simulate
-from moeinfra.serving.specs import deepseek_decode_unit, deepseek_prefill_unit, hardware
+from moeinfra.serving.specs import (
+    Deployment,
+    deepseek_decode_unit,
+    deepseek_prefill_unit,
+    hardware,
+)
 from moeinfra.serving.workload import Workload, generate
 
 HW = hardware("h800")
@@ -50,6 +55,23 @@ def test_hour_latencies_are_sane(hour_result):
     tpot = result.tpot_s[np.isfinite(result.tpot_s)]
     assert 0.005 < np.median(tpot) < 0.2
     assert np.nanmax(result.decode_kv_usage) <= 1.0
+
+
+def test_inter_token_latencies_cover_every_decoded_token(hour_result):
+    _, result = hour_result
+    # first tokens come from prefill (a few prefills finishing after the end count as 1e-7)
+    first_tokens = np.isfinite(result.ttft_s).sum() * result.scale
+    decoded = result.totals["output_tokens"] - first_tokens
+    assert result.itl_tokens.sum() == pytest.approx(decoded, rel=1e-6)
+    itl = result.itl_percentiles()
+    assert itl["p50"] <= itl["p90"] <= itl["p99"]
+    # every token waits one step of its unit: the token-weighted mean sits among the step times
+    steps = result.decode_step_s[np.isfinite(result.decode_step_s)]
+    assert steps.min() <= itl["mean"] <= steps.max()
+    tpot = result.tpot_s[np.isfinite(result.tpot_s)]
+    assert itl["mean"] == pytest.approx(
+        np.average(tpot, weights=result.output_tokens[np.isfinite(result.tpot_s)]), rel=0.05
+    )
 
 
 def test_lindley_matches_a_loop():
@@ -178,6 +200,34 @@ def test_auto_fleet_for_a_trace_like_workload():
     assert scenario.schedule.prefill_units.min() >= 1
     result = scenario.run()
     assert result.requests()["rejected"] == 0
+
+
+def test_batch_at_step_inverts_the_step_model():
+    from moeinfra.serving.scenario import batch_at_step
+
+    batch = batch_at_step(DECODE, 0.045, 4_989.0)
+    assert float(DECODE.decode_step_s(batch, 4_989.0)) == pytest.approx(0.045, rel=1e-6)
+    full = DECODE.kv_capacity_tokens_per_gpu / 4_989.0
+    assert batch_at_step(DECODE, 10.0, 4_989.0) == full  # a loose SLO: the KV cache limits
+    with pytest.raises(InputError, match="slo_tpot_s=0.001"):
+        batch_at_step(DECODE, 0.001, 4_989.0)
+
+
+def test_slo_sized_decode_fleet_meets_its_slo_and_grows_when_tighter():
+    # ~120 requests/s x ~1,080 output tokens: several 4-node decode units (36-49k tokens/s each)
+    w = small_workload(rate=120.0, hours=0.25, seed=2)
+    four_nodes = Deployment("decode", 4)
+    fleets = {}
+    for slo in (0.060, 0.035):
+        scenario = build_scenario(workload=w, decode_dep=four_nodes, target=0.9, slo_tpot_s=slo)
+        result = scenario.run()
+        tpot = result.tpot_s[np.isfinite(result.tpot_s)]
+        assert result.requests()["rejected"] == 0
+        assert np.percentile(tpot, 50) <= slo
+        fleets[slo] = scenario.schedule.decode_units.mean()
+    assert fleets[0.035] > fleets[0.060]
+    with pytest.raises(InputError, match="fleet='auto'"):
+        build_scenario(hours=0.1, slo_tpot_s=0.05)
 
 
 def test_bad_inputs():

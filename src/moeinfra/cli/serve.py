@@ -77,6 +77,14 @@ def simulate_cmd(
     fleet: str | None = typer.Option(
         None, "--fleet", help="deepseek (published node curve) or auto (target utilisation)."
     ),
+    target: float = typer.Option(
+        0.7, "--target", help="With --fleet auto: the busy share the units are sized for."
+    ),
+    slo_tpot: str | None = typer.Option(
+        None,
+        "--slo-tpot",
+        help="With --fleet auto: size decode units for this time per output token, e.g. 50ms.",
+    ),
     balancer: str = typer.Option(
         "deepseek", "--balancer", help="deepseek or baseline (round robin / least requests)."
     ),
@@ -87,7 +95,11 @@ def simulate_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="Folder for result.json, hourly.csv and requests.npz."
+        None,
+        "--out",
+        "-o",
+        help="Folder for result.json, hourly.csv and requests.npz (per request, plus the per-token "
+        "inter-token latency histogram).",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -108,6 +120,8 @@ def simulate_cmd(
         scale=scale,
         seed=seed,
         fleet=fleet,
+        target=target,
+        slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
     )
     total_s = built.schedule.duration_s
     show = not quiet and sys.stderr.isatty()
@@ -143,6 +157,8 @@ def simulate_cmd(
                 ttft_s=result.ttft_s,
                 tpot_s=result.tpot_s,
                 finish_s=result.finish_s,
+                itl_edges_s=result.itl_edges_s,
+                itl_tokens=result.itl_tokens,
                 arrival_s=built.workload.arrival_s,
                 input_tokens=built.workload.input_tokens,
                 output_tokens=built.workload.output_tokens,
@@ -181,7 +197,8 @@ def simulate_cmd(
         f"requests: {req['arrived']:,.0f} arrived = {req['completed']:,.0f} completed + "
         f"{req['running']:,.0f} running + {req['rejected']:,.0f} rejected; "
         f"TTFT p95 {payload['ttft_s'].get('p95', float('nan')):.3f} s, "
-        f"TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms"
+        f"TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms, "
+        f"inter-token latency p99 {payload['itl_s'].get('p99', float('nan')) * 1e3:.1f} ms"
     )
 
 

@@ -94,10 +94,11 @@ def plot_throughput(result: SimulationResult, path: Path) -> Path:
 
 
 def plot_latency(result: SimulationResult, path: Path) -> Path:
-    """Distributions of time to first token and of time per output token."""
+    """Distributions of time to first token, of time per output token (per request) and of the
+    inter-token latency (per token)."""
     ttft = result.ttft_s[np.isfinite(result.ttft_s)]
     tpot = result.tpot_s[np.isfinite(result.tpot_s)]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.4), layout="constrained")
     if ttft.size:
         a.hist(np.clip(ttft, 1e-3, None), bins=np.geomspace(1e-3, max(ttft.max(), 1e-2), 60))
         a.set_xscale("log")
@@ -106,5 +107,13 @@ def plot_latency(result: SimulationResult, path: Path) -> Path:
     if tpot.size:
         b.hist(tpot * 1e3, bins=60)
     b.set_xlabel("time per output token (ms)")
+    b.set_ylabel("requests (sampled)")
+    used = np.flatnonzero(result.itl_tokens)
+    if used.size:
+        span = slice(used[0], used[-1] + 1)
+        edges_ms = result.itl_edges_s[span.start : span.stop + 1] * 1e3
+        c.stairs(result.itl_tokens[span] / result.itl_tokens.sum(), edges_ms, fill=True)
+    c.set_xlabel("inter-token latency (ms)")
+    c.set_ylabel("share of output tokens")
     fig.suptitle("Latency distributions")
     return _save(fig, path)

@@ -53,6 +53,27 @@ def decode_seconds_per_token(decode: PerfModel, batch_per_gpu: float, mean_kv: f
     return float(decode.decode_step_s(batch_per_gpu, mean_kv)) / (batch_per_gpu * decode.gpus)
 
 
+def batch_at_step(decode: PerfModel, step_s: float, mean_kv: float) -> float:
+    """Largest requests per GPU whose decode step is at most ``step_s`` (at most what the KV cache
+    holds at ``mean_kv``); the step grows with the batch, so bisection finds it."""
+    full = decode.kv_capacity_tokens_per_gpu / max(mean_kv, 1.0)
+    smallest = float(decode.decode_step_s(1e-3, mean_kv))
+    if step_s < smallest:
+        raise InputError(
+            f"slo_tpot_s={step_s:g} is below the decode step of an almost empty unit "
+            f"({smallest * 1e3:.1f} ms at mean KV {mean_kv:,.0f}); allowed: >= {smallest:.4f}"
+        )
+    if float(decode.decode_step_s(full, mean_kv)) <= step_s:
+        return full
+    low, high = 1e-3, full
+    for _ in range(60):
+        mid = 0.5 * (low + high)
+        low, high = (
+            (mid, high) if float(decode.decode_step_s(mid, mean_kv)) <= step_s else (low, mid)
+        )
+    return low
+
+
 def auto_schedule(
     workload: Workload,
     prefill: PerfModel,
@@ -61,14 +82,22 @@ def auto_schedule(
     target: float = 0.7,
     interval_s: float = 900.0,
     decode_batch_per_gpu: float = 64.0,
+    slo_tpot_s: float | None = None,
 ) -> FleetSchedule:
-    """Target-utilisation autoscaling for ``workload`` (whole units per ``interval_s``)."""
+    """Autoscaling for ``workload`` (whole units per ``interval_s``) to a target utilisation.
+
+    A decode unit's capacity is its output rate at ``decode_batch_per_gpu`` requests per GPU or,
+    with ``slo_tpot_s``, at the largest batch whose step still meets that time per output token;
+    the units are then sized so the work arriving would keep them ``target`` busy.
+    """
     inputs = workload.input_tokens.astype(np.float64)
     computed = inputs - workload.cached_tokens
     outputs = workload.output_tokens.astype(np.float64)
     hit = float(workload.cached_tokens.sum() / max(inputs.sum(), 1.0))
     s_prefill = prefill.prefill_seconds_per_token(hit, float(inputs.mean()))
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / max(outputs.sum(), 1.0))
+    if slo_tpot_s is not None:
+        decode_batch_per_gpu = batch_at_step(decode, slo_tpot_s, mean_kv)
     s_decode = decode_seconds_per_token(decode, decode_batch_per_gpu, mean_kv)
     return utilisation_schedule(
         workload.arrival_s,
@@ -93,10 +122,12 @@ def build_scenario(
     fleet: str | None = None,
     prefill_dep: Deployment | None = None,
     decode_dep: Deployment | None = None,
+    target: float = 0.7,
+    slo_tpot_s: float | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
-    ``fleet`` defaults to ``"auto"`` (target-utilisation autoscaling) instead of ``"deepseek"``
-    (the published node curve)."""
+    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` and
+    ``slo_tpot_s``) instead of ``"deepseek"`` (the published node curve)."""
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
     hw = hardware(hardware_name)
@@ -107,12 +138,14 @@ def build_scenario(
             raise InputError(f"hours={hours} must be in (0, 24]")
         workload = deepseek_day(scale=scale, seed=seed, hours=hours)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
+    if fleet != "auto" and slo_tpot_s is not None:
+        raise InputError(f"slo_tpot_s={slo_tpot_s} needs fleet='auto' (got fleet={fleet!r})")
     if fleet == "deepseek":
         if prefill.dep.nodes != 4 or decode.dep.nodes != 18:
             raise InputError("fleet='deepseek' needs the 4-node prefill and 18-node decode units")
         schedule = deepseek_day_schedule(min(workload.duration_s, 86_400.0) / 3600.0)
     elif fleet == "auto":
-        schedule = auto_schedule(workload, prefill, decode)
+        schedule = auto_schedule(workload, prefill, decode, target=target, slo_tpot_s=slo_tpot_s)
     else:
         raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")
     return Scenario(name, workload, schedule, prefill, decode)

@@ -67,7 +67,9 @@ class SimulationResult:
 
     Per request (sampled, ``[n]``): ``status`` (0 completed, 1 running, 2 rejected), ``reason``
     (index into REJECT_REASONS or -1), ``ttft_s``, ``tpot_s`` (mean time per output token after the
-    first), ``finish_s``. Per record interval (``[k]`` rows, ``[k, units]`` per unit):
+    first), ``finish_s``. Per output token (real scale, a histogram): ``itl_edges_s`` ``[b + 1]``
+    and ``itl_tokens`` ``[b]``, the tokens generated at each inter-token latency (the step time of
+    their unit when they were generated). Per record interval (``[k]`` rows, ``[k, units]`` per unit):
     ``decode_batch_per_gpu``, ``decode_kv_usage``, ``decode_step_s``, ``prefill_utilisation``.
     ``hourly``: one dict per hour. ``totals``: the day's figures.
     """
@@ -85,6 +87,8 @@ class SimulationResult:
     decode_kv_usage: np.ndarray
     decode_step_s: np.ndarray
     prefill_utilisation: np.ndarray
+    itl_edges_s: np.ndarray
+    itl_tokens: np.ndarray
     hourly: list[dict]
     totals: dict
     model: dict = field(default_factory=dict)
@@ -99,6 +103,17 @@ class SimulationResult:
             "rejected": float(counts[REJECTED]),
             "sampled": int(self.status.size),
         }
+
+    def itl_percentiles(self, quantiles=(50, 90, 95, 99)) -> dict[str, float]:
+        """Token-weighted inter-token latency: percentiles (upper bin edge, bins 1.2% wide) and mean."""
+        total = float(self.itl_tokens.sum())
+        if total <= 0:
+            return {}
+        cumulative = np.cumsum(self.itl_tokens) / total
+        upper = self.itl_edges_s[1:]
+        mids = np.sqrt(self.itl_edges_s[:-1] * upper)
+        out = {f"p{q}": float(upper[np.searchsorted(cumulative, q / 100.0)]) for q in quantiles}
+        return out | {"mean": float((mids * self.itl_tokens).sum() / total)}
 
     def to_dict(self, hourly: bool = True) -> dict:
         """JSON-ready summary (the fields ``moeinfra serve simulate --json`` prints)."""
@@ -119,6 +134,7 @@ class SimulationResult:
                 if values.size
                 else {}
             )
+        out["itl_s"] = self.itl_percentiles()
         out["model"] = self.model
         if hourly:
             out["hourly"] = self.hourly
@@ -287,6 +303,8 @@ def simulate(
     hours = int(np.ceil(duration / 3600.0))
     out_hour = np.zeros(hours)
     kv_weighted = 0.0
+    itl_edges = np.geomspace(1e-4, 100.0, 1201)  # 0.1 ms .. 100 s, 1.16% per bin
+    itl_tokens = np.zeros(itl_edges.size - 1)
     prev_d_units = None
     last_step = np.full(d_max, 0.02)
     lo = 0
@@ -392,6 +410,9 @@ def simulate(
             gain = run_s / step[a_unit]
             produced = np.minimum(gain, remaining)
             out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
+            unit_tokens = np.bincount(a_unit, produced, d_max)[active] * S
+            bins = np.clip(np.searchsorted(itl_edges, step[active]) - 1, 0, itl_tokens.size - 1)
+            itl_tokens += np.bincount(bins, unit_tokens, itl_tokens.size)
             kv_weighted += float((produced * (inputs[a_idx] + a_done + produced / 2)).sum()) * S
             fin = gain >= remaining
             if fin.any():
@@ -488,6 +509,8 @@ def simulate(
         decode_kv_usage=rec_kv,
         decode_step_s=rec_step,
         prefill_utilisation=rec_putil,
+        itl_edges_s=itl_edges,
+        itl_tokens=itl_tokens,
         hourly=hourly,
         totals=totals,
         model={
