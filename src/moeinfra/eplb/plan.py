@@ -130,21 +130,20 @@ def gpu_loads(
 
 
 @numba.njit(cache=True)
-def _rank_rows(phy2log, num_experts, ranks):
-    seen = np.zeros(num_experts, dtype=np.int64)
-    for layer in range(phy2log.shape[0]):
-        seen[:] = 0
-        for slot in range(phy2log.shape[1]):
+def _plan_rows(phy2log, load, num_gpus, logcnt, log2phy, gpu_load):
+    """Per layer: replica counts, each expert's slots in slot order (rest -1), GPU loads."""
+    num_layers, num_replicas = phy2log.shape
+    slots_per_gpu = num_replicas // num_gpus
+    log2phy[:] = -1
+    gpu_load[:] = 0.0
+    for layer in range(num_layers):
+        for slot in range(num_replicas):
             expert = phy2log[layer, slot]
-            ranks[layer, slot] = seen[expert]
-            seen[expert] += 1
-
-
-def replica_ranks(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
-    """``[L, R]`` replica index of each slot among the slots of the same expert, in slot order."""
-    ranks = np.empty(phy2log.shape, dtype=np.int64)
-    _rank_rows(np.ascontiguousarray(phy2log, dtype=np.int64), num_experts, ranks)
-    return ranks
+            log2phy[layer, expert, logcnt[layer, expert]] = slot
+            logcnt[layer, expert] += 1
+        for slot in range(num_replicas):
+            expert = phy2log[layer, slot]
+            gpu_load[layer, slot // slots_per_gpu] += load[layer, expert] / logcnt[layer, expert]
 
 
 def count_replicas(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
@@ -166,16 +165,29 @@ def gpu_presence(phy2log: np.ndarray, num_gpus: int, num_experts: int) -> np.nda
 def make_plan(
     phy2log: np.ndarray, load: np.ndarray, layout: Layout, policy: str, metrics: dict | None = None
 ) -> Plan:
-    """Build a :class:`Plan` from ``phy2log [L, R]``, deriving ``logcnt``, ``log2phy`` and GPU loads."""
-    from moeinfra.eplb.deepseek import build_log2phy
+    """Build a :class:`Plan` from ``phy2log [L, R]``, deriving ``logcnt``, ``log2phy`` and GPU loads.
 
-    logcnt = count_replicas(phy2log, layout.num_experts)
-    log2phy = build_log2phy(phy2log, replica_ranks(phy2log, layout.num_experts), layout.num_experts)
+    ``log2phy[l, e]`` lists expert ``e``'s slots in slot order, padded with -1 to ``R - E + 1``.
+    """
+    phy2log = np.ascontiguousarray(phy2log, dtype=np.int64)
+    num_layers = phy2log.shape[0]
+    max_replicas = layout.num_replicas - layout.num_experts + 1
+    logcnt = np.zeros((num_layers, layout.num_experts), dtype=np.int64)
+    log2phy = np.empty((num_layers, layout.num_experts, max_replicas), dtype=np.int64)
+    gpu_load = np.empty((num_layers, layout.num_gpus))
+    _plan_rows(
+        phy2log,
+        np.ascontiguousarray(load, dtype=np.float64),
+        layout.num_gpus,
+        logcnt,
+        log2phy,
+        gpu_load,
+    )
     return Plan(
-        phy2log=phy2log.astype(np.int64, copy=False),
+        phy2log=phy2log,
         log2phy=log2phy,
         logcnt=logcnt,
-        gpu_load=gpu_loads(load, phy2log, logcnt, layout.num_gpus),
+        gpu_load=gpu_load,
         layout=layout,
         policy=policy,
         expert_load=load,

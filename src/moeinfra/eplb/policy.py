@@ -130,6 +130,8 @@ def _never_worse(
 
     ``reference(rows)`` builds DeepSeek's plan for those layers; ``bound [L]`` is a lower bound on
     its heaviest GPU, so only layers where ours is above the bound need DeepSeek's plan at all.
+    Where DeepSeek's plan is lighter, our (duplicate-free) plan is first searched further, down to
+    DeepSeek's heaviest GPU; only layers where that fails take DeepSeek's plan, swap-improved.
     """
     ours_max = _max_gpu_load(load, ours, lay)
     unsure = np.flatnonzero(ours_max > bound)
@@ -140,11 +142,16 @@ def _never_worse(
     worse = np.flatnonzero(ours_max[unsure] > ref_max)
     if worse.size == 0:
         return ours
-    refined = _swap_search(ref[worse], load[unsure[worse]], lay, domain, target[unsure[worse]])
-    keep_refined = _max_gpu_load(load[unsure[worse]], refined, lay) <= ref_max[worse]
+    rows = unsure[worse]
     result = ours.copy()
-    result[unsure[worse]] = np.where(keep_refined[:, None], refined, ref[worse])
-    reassign_duplicates(result, load, lay.num_gpus, domain)
+    result[rows] = _swap_search(ours[rows], load[rows], lay, domain, ref_max[worse])
+    still = _max_gpu_load(load[rows], result[rows], lay) > ref_max[worse]
+    if still.any():
+        rows, worse = rows[still], worse[still]
+        refined = _swap_search(ref[worse], load[rows], lay, domain, target[rows])
+        keep_refined = _max_gpu_load(load[rows], refined, lay) <= ref_max[worse]
+        result[rows] = np.where(keep_refined[:, None], refined, ref[worse])
+        reassign_duplicates(result, load, lay.num_gpus, domain)
     return result
 
 
