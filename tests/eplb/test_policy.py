@@ -54,7 +54,10 @@ def test_default_is_within_one_percent_of_the_bound_on_prefill(v3_loads):
         assert evaluation.duplicates.sum() == 0
 
 
-@pytest.mark.parametrize("shape", [PREFILL, DECODE], ids=["prefill", "decode"])
+ONE_NODE = {"num_replicas": 288, "num_groups": 8, "num_nodes": 1, "num_gpus": 8}
+
+
+@pytest.mark.parametrize("shape", [PREFILL, DECODE, ONE_NODE], ids=["prefill", "decode", "ep8"])
 def test_no_duplicates_on_a_gpu(v3_loads, shape):
     for load in v3_loads.values():
         plan = rebalance(load, **shape)
