@@ -226,8 +226,19 @@ def test_slo_sized_decode_fleet_meets_its_slo_and_grows_when_tighter():
         assert np.percentile(tpot, 50) <= slo
         fleets[slo] = scenario.schedule.decode_units.mean()
     assert fleets[0.035] > fleets[0.060]
-    with pytest.raises(InputError, match="fleet='auto'"):
+    with pytest.raises(InputError, match="slo_tpot_s=0.05: only with fleet='auto'"):
         build_scenario(hours=0.1, slo_tpot_s=0.05)
+
+
+def test_block_scaling_moves_prefill_and_decode_together():
+    w = small_workload(rate=30.0, hours=0.5, seed=4)
+    free = build_scenario(workload=w).schedule
+    tied = build_scenario(workload=w, block=(3, 1)).schedule
+    blocks = tied.decode_units
+    assert np.array_equal(tied.prefill_units, 3 * blocks)
+    assert np.all(blocks >= np.maximum(-(-free.prefill_units // 3), free.decode_units))
+    with pytest.raises(InputError, match="block"):
+        build_scenario(workload=w, block=(0, 1))
 
 
 def test_bad_inputs():

@@ -33,6 +33,14 @@ def parse_duration_s(text: str, name: str) -> float:
     return value / 1e3 if match.group(2) == "ms" else value
 
 
+def parse_block(text: str) -> tuple[int, int]:
+    """``"3:1"`` -> ``(3, 1)`` prefill and decode units per block."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise InputError(f"--block={text!r} must be P:D with whole numbers >= 1, e.g. 3:1")
+    return int(parts[0]), int(parts[1])
+
+
 def _load_workload(path: Path, skip_bad: bool, hit_ratio: float):
     from moeinfra.serving.workload import read_trace
 
@@ -85,6 +93,11 @@ def simulate_cmd(
         "--slo-tpot",
         help="With --fleet auto: size decode units for this time per output token, e.g. 50ms.",
     ),
+    block: str | None = typer.Option(
+        None,
+        "--block",
+        help="With --fleet auto: scale in blocks of P:D prefill:decode units (DeepSeek: 3:1).",
+    ),
     balancer: str = typer.Option(
         "deepseek", "--balancer", help="deepseek or baseline (round robin / least requests)."
     ),
@@ -122,6 +135,7 @@ def simulate_cmd(
         fleet=fleet,
         target=target,
         slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
+        block=None if block is None else parse_block(block),
     )
     total_s = built.schedule.duration_s
     show = not quiet and sys.stderr.isatty()

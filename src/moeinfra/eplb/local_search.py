@@ -2,7 +2,8 @@
 
 Replica counts stay fixed, so every slot keeps its load (expert load / replica count) and a swap
 moves two loads between two GPUs. Each step takes the heaviest GPU of every layer and applies the
-swap with one of its slots that most lowers the larger of the two GPUs' new loads. The sorted vector
+swap with one of its slots that most lowers the larger of the two GPUs' new loads (partners are tried
+lightest first, which lets the search stop early). The sorted vector
 of GPU loads then decreases lexicographically, so the search cannot cycle; it stops when no swap helps
 the heaviest GPU, when the move budget is spent, or after ``max_steps``.
 """

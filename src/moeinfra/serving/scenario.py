@@ -83,12 +83,14 @@ def auto_schedule(
     interval_s: float = 900.0,
     decode_batch_per_gpu: float = 64.0,
     slo_tpot_s: float | None = None,
+    block: tuple[int, int] | None = None,
 ) -> FleetSchedule:
     """Autoscaling for ``workload`` (whole units per ``interval_s``) to a target utilisation.
 
     A decode unit's capacity is its output rate at ``decode_batch_per_gpu`` requests per GPU or,
     with ``slo_tpot_s``, at the largest batch whose step still meets that time per output token;
-    the units are then sized so the work arriving would keep them ``target`` busy.
+    the units are then sized so the work arriving would keep them ``target`` busy, in blocks of
+    ``block = (prefill units, decode units)`` if given.
     """
     inputs = workload.input_tokens.astype(np.float64)
     computed = inputs - workload.cached_tokens
@@ -108,6 +110,7 @@ def auto_schedule(
         interval_s=interval_s,
         prefill_nodes=prefill.dep.nodes,
         decode_nodes=decode.dep.nodes,
+        block=block,
     )
 
 
@@ -124,10 +127,11 @@ def build_scenario(
     decode_dep: Deployment | None = None,
     target: float = 0.7,
     slo_tpot_s: float | None = None,
+    block: tuple[int, int] | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
-    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` and
-    ``slo_tpot_s``) instead of ``"deepseek"`` (the published node curve)."""
+    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target``,
+    ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the published node curve)."""
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
     hw = hardware(hardware_name)
@@ -138,14 +142,18 @@ def build_scenario(
             raise InputError(f"hours={hours} must be in (0, 24]")
         workload = deepseek_day(scale=scale, seed=seed, hours=hours)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
-    if fleet != "auto" and slo_tpot_s is not None:
-        raise InputError(f"slo_tpot_s={slo_tpot_s} needs fleet='auto' (got fleet={fleet!r})")
+    sizing = {"slo_tpot_s": slo_tpot_s, "block": block}
+    given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)
+    if fleet != "auto" and given:
+        raise InputError(f"{given}: only with fleet='auto' (got fleet={fleet!r})")
     if fleet == "deepseek":
         if prefill.dep.nodes != 4 or decode.dep.nodes != 18:
             raise InputError("fleet='deepseek' needs the 4-node prefill and 18-node decode units")
         schedule = deepseek_day_schedule(min(workload.duration_s, 86_400.0) / 3600.0)
     elif fleet == "auto":
-        schedule = auto_schedule(workload, prefill, decode, target=target, slo_tpot_s=slo_tpot_s)
+        schedule = auto_schedule(
+            workload, prefill, decode, target=target, slo_tpot_s=slo_tpot_s, block=block
+        )
     else:
         raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")
     return Scenario(name, workload, schedule, prefill, decode)

@@ -137,12 +137,17 @@ def utilisation_schedule(
     prefill_nodes: int = 4,
     decode_nodes: int = 18,
     min_units: int = 1,
+    block: tuple[int, int] | None = None,
 ) -> FleetSchedule:
     """Autoscaling by a target-utilisation policy: per ``interval_s``, the whole units whose busy
     share would be ``target`` for the work arriving in it.
 
     ``prefill_work_s`` / ``decode_work_s``: ``[n]`` unit-seconds each request needs (real scale).
+    ``block``: ``(prefill units, decode units)`` added or removed together, as many blocks as the
+    more demanding phase needs (DeepSeek's node curve moves in 30-node steps: ``(3, 1)``).
     """
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise InputError(f"block={block!r} must be (prefill units, decode units), both >= 1")
     if not 0 < target <= 1:
         raise InputError(f"target={target} must be in (0, 1]")
     if interval_s <= 0:
@@ -153,6 +158,9 @@ def utilisation_schedule(
     decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (interval_s * target)
     p = np.maximum(np.ceil(prefill), min_units).astype(np.int64)
     d = np.maximum(np.ceil(decode), min_units).astype(np.int64)
+    if block is not None:
+        blocks = np.maximum(-(-p // block[0]), -(-d // block[1]))
+        p, d = blocks * block[0], blocks * block[1]
     change = np.ones(k, dtype=bool)
     change[1:] = (p[1:] != p[:-1]) | (d[1:] != d[:-1])
     starts = np.arange(k)[change] * interval_s
