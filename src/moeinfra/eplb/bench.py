@@ -23,7 +23,7 @@ DEPLOYMENTS = {
 }
 
 
-def _median_time(call: Callable[[], object], repeats: int) -> tuple[float, object]:
+def median_time(call: Callable[[], object], repeats: int) -> tuple[float, object]:
     """Median seconds of ``repeats`` calls after one untimed call (which loads the compiled kernels)."""
     times, result = [], call()
     for _ in range(repeats):
@@ -50,16 +50,16 @@ def run_benchmark(
             if progress:
                 progress(f"{deployment} / {kind}")
             load = synthetic_load(kind, layers, experts, seed=seed)
-            ours_s, ours = _median_time(
+            ours_s, ours = median_time(
                 lambda load=load, shape=shape: rebalance(load, **shape), repeats
             )
-            ds_s, ds = _median_time(
+            ds_s, ds = median_time(
                 lambda load=load, shape=shape: rebalance(load, **shape, policy="deepseek"), repeats
             )
             ours_eval, ds_eval = evaluate(ours, load), evaluate(ds, load)
             noisy = perturb(load, noise, seed=seed + 1)
             fresh = rebalance(noisy, **shape)
-            migrated_s, migrated = _median_time(
+            migrated_s, migrated = median_time(
                 lambda noisy=noisy, shape=shape, ours=ours: rebalance(
                     noisy, **shape, previous=ours
                 ),
