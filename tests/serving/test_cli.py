@@ -52,6 +52,7 @@ def test_simulate_json_and_output_folder(tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["cost_usd"] == payload["cost_usd"]
     assert (tmp_path / "hourly.csv").read_text().startswith("hour,nodes")
     assert (tmp_path / "requests.npz").stat().st_size > 0
+    assert payload["itl_s"]["p50"] <= payload["itl_s"]["p99"]
     assert result.stderr == ""  # no progress bar when not a TTY
 
 
@@ -107,10 +108,22 @@ def test_model_json_and_table():
     assert bad.returncode == 2 and "--phase" in bad.stderr
 
 
-def test_bad_options_are_one_line_errors():
-    result = cli("simulate", "--hardware", "a100", "--hours", "0.1")
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--hardware", "a100"], "error: hardware='a100'"),
+        (["--target", "0.8"], "error: target=0.8: only with fleet='auto'"),
+        (["--fleet", "auto", "--target", "1.5"], "error: target=1.5 must be in (0, 1]"),
+        (["--fleet", "auto", "--block", "3-1"], "error: --block='3-1' must be P:D"),
+        (["--fleet", "auto", "--slo-tpot", "fast"], "error: --slo-tpot='fast' must be a duration"),
+        (["--fleet", "auto", "--slo-tpot", "1ms"], "error: slo_tpot_s=0.001 is below"),
+    ],
+)
+def test_bad_options_are_one_line_errors(args, message):
+    result = cli("simulate", "--hours", "0.1", *args)
     assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: hardware='a100'")
+    assert result.stderr.strip().startswith(message)
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_parse_duration():

@@ -85,8 +85,8 @@ def simulate_cmd(
     fleet: str | None = typer.Option(
         None, "--fleet", help="deepseek (published node curve) or auto (target utilisation)."
     ),
-    target: float = typer.Option(
-        0.7, "--target", help="With --fleet auto: the busy share the units are sized for."
+    target: float | None = typer.Option(
+        None, "--target", help="With --fleet auto: the busy share units are sized for [0.7]."
     ),
     slo_tpot: str | None = typer.Option(
         None,

@@ -125,13 +125,14 @@ def build_scenario(
     fleet: str | None = None,
     prefill_dep: Deployment | None = None,
     decode_dep: Deployment | None = None,
-    target: float = 0.7,
+    target: float | None = None,
     slo_tpot_s: float | None = None,
     block: tuple[int, int] | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
-    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target``,
-    ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the published node curve)."""
+    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target``
+    (default 0.7), ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the published node
+    curve)."""
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
     hw = hardware(hardware_name)
@@ -142,7 +143,7 @@ def build_scenario(
             raise InputError(f"hours={hours} must be in (0, 24]")
         workload = deepseek_day(scale=scale, seed=seed, hours=hours)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
-    sizing = {"slo_tpot_s": slo_tpot_s, "block": block}
+    sizing = {"target": target, "slo_tpot_s": slo_tpot_s, "block": block}
     given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)
     if fleet != "auto" and given:
         raise InputError(f"{given}: only with fleet='auto' (got fleet={fleet!r})")
@@ -152,7 +153,12 @@ def build_scenario(
         schedule = deepseek_day_schedule(min(workload.duration_s, 86_400.0) / 3600.0)
     elif fleet == "auto":
         schedule = auto_schedule(
-            workload, prefill, decode, target=target, slo_tpot_s=slo_tpot_s, block=block
+            workload,
+            prefill,
+            decode,
+            target=0.7 if target is None else target,
+            slo_tpot_s=slo_tpot_s,
+            block=block,
         )
     else:
         raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")
