@@ -175,21 +175,21 @@ def test_low_latency_law_reproduces_its_sources():
 
 
 # Decode steps measured by others on DeepSeek-V3 with DP attention and wide EP; none is an input.
-# (hardware, nodes, requests per GPU, mean KV, measured step s, source)
+# (hardware, nodes, redundant experts, requests per GPU, mean KV, measured step s, source).
+# EP128 has no 32-redundant layout (288 slots on 128 GPUs): it gets a third slot per GPU.
 MEASURED_DECODE = [
-    ("h800", 16, 128, 4_096, 128 / (18_598 / 8), "DeepSeek profile, EP128: 18,598 tok/s per node"),
-    ("h800", 18, 91.7, 5_000, 1 / 20.0, "RTP-LLM, EP144, 13,200 concurrent: 20 tok/s per user"),
-    ("h800", 18, 4.0, 5_000, 1 / 42.0, "RTP-LLM, EP144, low concurrency: 42 tok/s per user"),
-    ("h100", 9, 256, 2_000, 256 / (22_282 / 8), "SGLang, EP72: 22,282 tok/s per node"),
+    ("h800", 16, 128, 128, 4_096, 128 / (18_598 / 8), "DeepSeek profile, EP128: 18,598 tok/s"),
+    ("h800", 18, 32, 91.7, 5_000, 1 / 20.0, "RTP-LLM, EP144, 13,200 concurrent: 20 tok/s per user"),
+    ("h800", 18, 32, 4.0, 5_000, 1 / 42.0, "RTP-LLM, EP144, low concurrency: 42 tok/s per user"),
+    ("h100", 9, 32, 256, 2_000, 256 / (22_282 / 8), "SGLang, EP72: 22,282 tok/s per node"),
 ]
 
 
-@pytest.mark.parametrize("case", MEASURED_DECODE, ids=lambda c: c[5].split(":")[0])
+@pytest.mark.parametrize("case", MEASURED_DECODE, ids=lambda c: c[6].split(":")[0])
 def test_decode_step_against_independent_measurements(case):
     """The model is optimistic: within 35% below what deployed systems measure, never above."""
-    hw, nodes, batch, kv, measured, _ = case
-    # EP128 has no 32-redundant layout (288 slots on 128 GPUs): give it a third slot per GPU
-    unit = Deployment("decode", nodes, redundant_experts=128 if nodes == 16 else 32)
+    hw, nodes, redundant, batch, kv, measured, _ = case
+    unit = Deployment("decode", nodes, redundant_experts=redundant)
     step = float(PerfModel(unit, hardware(hw)).decode_step_s(batch, kv))
     assert 0.65 * measured <= step <= 1.05 * measured
 

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moeinfra.errors import InputError
+from moeinfra.serving.schedule import DEFAULT_TARGET
 
 app = typer.Typer(
     help="Inference fleet: simulate a day, plan capacity, per-layer performance model.",
@@ -86,7 +87,9 @@ def simulate_cmd(
         None, "--fleet", help="deepseek (published node curve) or auto (target utilisation)."
     ),
     target: float | None = typer.Option(
-        None, "--target", help="With --fleet auto: the busy share units are sized for [0.7]."
+        None,
+        "--target",
+        help=f"With --fleet auto: the busy share units are sized for [{DEFAULT_TARGET}].",
     ),
     slo_tpot: str | None = typer.Option(
         None,

@@ -13,7 +13,7 @@ import numba
 import numpy as np
 
 from moeinfra.eplb.inputs import check_layout, like_input, to_numpy_load
-from moeinfra.eplb.packing import descending_order, pack_rows
+from moeinfra.eplb.packing import descending_order, pack_rows, sift_down
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -50,44 +50,23 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
 @numba.njit(cache=True)
 def _replicate_rows(weight, phy2log, rank, logcnt):
     """Per row: each redundant slot to the expert with the largest ``weight / count`` (computed in
-    the dtype of ``weight``), lowest index on ties; experts sit in a max-heap on that order."""
+    the dtype of ``weight``), lowest index on ties: a min-heap on ``(-weight / count, expert)``."""
     rows, num_logical = weight.shape
-    value = np.empty(num_logical, dtype=weight.dtype)
-    heap = np.empty(num_logical, dtype=np.int64)
+    keys = np.empty(num_logical, dtype=weight.dtype)
+    experts = np.empty(num_logical, dtype=np.int64)
     for row in range(rows):
         for expert in range(num_logical):
-            value[expert] = weight[row, expert]
-            heap[expert] = expert
+            keys[expert] = -weight[row, expert]
+            experts[expert] = expert
         for start in range(num_logical // 2 - 1, -1, -1):
-            _sift_max(heap, value, num_logical, start)
+            sift_down(keys, experts, num_logical, start)
         for slot in range(num_logical, phy2log.shape[1]):
-            expert = heap[0]
+            expert = experts[0]
             phy2log[row, slot] = expert
             rank[row, slot] = logcnt[row, expert]
             logcnt[row, expert] += 1
-            value[expert] = weight[row, expert] / weight.dtype.type(logcnt[row, expert])
-            _sift_max(heap, value, num_logical, 0)
-
-
-@numba.njit(cache=True)
-def _sift_max(heap, value, size, parent):
-    item = heap[parent]
-    while True:
-        child = 2 * parent + 1
-        if child >= size:
-            break
-        right = child + 1
-        if right < size and (
-            value[heap[right]] > value[heap[child]]
-            or (value[heap[right]] == value[heap[child]] and heap[right] < heap[child])
-        ):
-            child = right
-        top = heap[child]
-        if value[top] < value[item] or (value[top] == value[item] and top > item):
-            break
-        heap[parent] = top
-        parent = child
-    heap[parent] = item
+            keys[0] = -(weight[row, expert] / weight.dtype.type(logcnt[row, expert]))
+            sift_down(keys, experts, num_logical, 0)
 
 
 def replicate_experts(

@@ -107,7 +107,7 @@ def descending_order(values: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _sift_down(keys, ids, size, parent):
+def sift_down(keys, ids, size, parent):
     """Restore the min-heap on ``(keys, ids)`` below ``parent`` (ties: lower id first)."""
     key, item = keys[parent], ids[parent]
     while True:
@@ -186,9 +186,9 @@ def pack_rows(item_load, item_group, order, num_bins, bins):
                 keys[pos], ids[pos] = keys[size], ids[size]
                 if pos < size:
                     _sift_up(keys, ids, pos)
-                    _sift_down(keys, ids, size, pos)
+                    sift_down(keys, ids, size, pos)
             else:
-                _sift_down(keys, ids, size, pos)
+                sift_down(keys, ids, size, pos)
 
 
 def pack_lightest_first(

@@ -13,7 +13,12 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.perfmodel import PerfModel
-from moeinfra.serving.schedule import FleetSchedule, deepseek_day_schedule, utilisation_schedule
+from moeinfra.serving.schedule import (
+    DEFAULT_TARGET,
+    FleetSchedule,
+    deepseek_day_schedule,
+    utilisation_schedule,
+)
 from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
@@ -79,7 +84,7 @@ def auto_schedule(
     prefill: PerfModel,
     decode: PerfModel,
     *,
-    target: float = 0.7,
+    target: float = DEFAULT_TARGET,
     interval_s: float = 900.0,
     decode_batch_per_gpu: float = 64.0,
     slo_tpot_s: float | None = None,
@@ -131,8 +136,8 @@ def build_scenario(
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target``
-    (default 0.7), ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the published node
-    curve)."""
+    (default ``DEFAULT_TARGET``), ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the
+    published node curve)."""
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
     hw = hardware(hardware_name)
@@ -156,7 +161,7 @@ def build_scenario(
             workload,
             prefill,
             decode,
-            target=0.7 if target is None else target,
+            target=DEFAULT_TARGET if target is None else target,
             slo_tpot_s=slo_tpot_s,
             block=block,
         )

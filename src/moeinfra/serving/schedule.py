@@ -126,13 +126,17 @@ def constant_schedule(
     )
 
 
+#: Busy share the target-utilisation autoscaler sizes units for unless told otherwise.
+DEFAULT_TARGET = 0.7
+
+
 def utilisation_schedule(
     arrival_s: np.ndarray,
     prefill_work_s: np.ndarray,
     decode_work_s: np.ndarray,
     duration_s: float,
     *,
-    target: float = 0.7,
+    target: float = DEFAULT_TARGET,
     interval_s: float = 900.0,
     prefill_nodes: int = 4,
     decode_nodes: int = 18,
