@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,3 +54,21 @@ def test_any_valid_problem_gives_a_valid_plan(problem, policy):
         with_duplicates = duplicate_slots(plan.phy2log, gpus).any(axis=1)
         if policy == "auto" and with_duplicates.any() and replicas // gpus <= load.shape[1]:
             np.testing.assert_array_equal(plan.phy2log[with_duplicates], phy2log[with_duplicates])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known limitation, found by the fuzz test above: replica counts are chosen before packing "
+        "(the heavy experts get the redundant slots), so the duplicate-free global plan found "
+        "here is heavier (280) than DeepSeek's (277), and the layer keeps a hierarchical plan "
+        "whose one-GPU nodes force a duplicate; no replication at all would give a "
+        "duplicate-free 277"
+    ),
+)
+def test_duplicates_only_where_deepseek_placement_is_kept_small_case():
+    load = np.array([[0.0] * 8, [0, 0, 0, 277.0, 51.0, 0, 0, 181.0]])
+    plan = rebalance(load, 10, 4, 2, 2)
+    phy2log, _, _ = rebalance_experts(load, 10, 4, 2, 2)
+    with_duplicates = duplicate_slots(plan.phy2log, 2).any(axis=1)
+    np.testing.assert_array_equal(plan.phy2log[with_duplicates], phy2log[with_duplicates])
