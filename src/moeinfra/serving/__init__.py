@@ -21,7 +21,7 @@ from moeinfra.serving.balancers import (
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, Efficiency, PerfModel
 from moeinfra.serving.planner import CapacityPlan, plan_capacity
-from moeinfra.serving.scenario import SCENARIOS, Scenario, build_scenario
+from moeinfra.serving.scenario import SCENARIOS, Scenario, auto_schedule, build_scenario
 from moeinfra.serving.schedule import FleetSchedule, deepseek_day_schedule, utilisation_schedule
 from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
 from moeinfra.serving.specs import (
@@ -59,6 +59,7 @@ __all__ = [
     "SimConfig",
     "SimulationResult",
     "Workload",
+    "auto_schedule",
     "build_scenario",
     "deepseek_day",
     "deepseek_day_schedule",

@@ -6,7 +6,8 @@
 * :class:`DecodeLoadBalancer` — requests to the DP ranks of a decode unit, balancing KV-cache usage
   and request count.
 * Baselines :class:`RoundRobin` and :class:`LeastRequests`.
-* :func:`fill_least_loaded` — the vectorised unit-level form the simulator uses (water-filling).
+* :func:`fill_least_loaded` — the vectorised unit-level form the simulator's decode side uses
+  (water-filling).
 
 The expert-parallel balancer is :func:`moeinfra.eplb.rebalance`.
 """

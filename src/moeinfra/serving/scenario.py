@@ -6,6 +6,7 @@ cache-hit statistics, the node curve with 18-node decode and 4-node prefill unit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,10 +14,12 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
     DEFAULT_TARGET,
     FleetSchedule,
     deepseek_day_schedule,
+    interval_spans,
     utilisation_schedule,
 )
 from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
@@ -27,6 +30,7 @@ from moeinfra.serving.specs import (
     deepseek_prefill_unit,
     hardware,
 )
+from moeinfra.serving.unit_cost import PrefillCost, prefill_cost
 from moeinfra.serving.workload import Workload, deepseek_day
 
 SCENARIOS = ("deepseek-v3-day",)
@@ -88,27 +92,41 @@ def auto_schedule(
     interval_s: float = 900.0,
     decode_batch_per_gpu: float = 64.0,
     slo_tpot_s: float | None = None,
+    slo_ttft_s: float | None = None,
+    ttft_quantile: float = 0.95,
     block: tuple[int, int] | None = None,
+    balancer: str = "deepseek",
 ) -> FleetSchedule:
     """Autoscaling for ``workload`` (whole units per ``interval_s``) to a target utilisation.
 
     A decode unit's capacity is its output rate at ``decode_batch_per_gpu`` requests per GPU or,
-    with ``slo_tpot_s``, at the largest batch whose step still meets that time per output token;
-    the units are then sized so the work arriving would keep them ``target`` busy, in blocks of
-    ``block = (prefill units, decode units)`` if given.
+    with ``slo_tpot_s``, at the largest batch whose step still meets that time per output token.
+    With ``slo_ttft_s`` each interval gets at least the prefill units whose queueing (M/G/c, the
+    units as servers of one FIFO queue) keeps the ``ttft_quantile`` of the time to first token
+    within it. Units are sized so the work arriving would keep them ``target`` busy, in blocks of
+    ``block = (prefill units, decode units)`` if given. ``balancer``: the DP-rank balancer inside
+    units (as in :class:`SimConfig`), which sets the prefill work per request.
     """
     inputs = workload.input_tokens.astype(np.float64)
-    computed = inputs - workload.cached_tokens
     outputs = workload.output_tokens.astype(np.float64)
-    hit = float(workload.cached_tokens.sum() / max(inputs.sum(), 1.0))
-    s_prefill = prefill.prefill_seconds_per_token(hit, float(inputs.mean()))
+    service = prefill_cost(prefill, decode, workload, balancer)
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / max(outputs.sum(), 1.0))
     if slo_tpot_s is not None:
         decode_batch_per_gpu = batch_at_step(decode, slo_tpot_s, mean_kv)
     s_decode = decode_seconds_per_token(decode, decode_batch_per_gpu, mean_kv)
+    floor = None
+    if slo_ttft_s is not None:
+        floor = ttft_prefill_units(
+            workload,
+            service,
+            slo_ttft_s,
+            interval_s=interval_s,
+            quantile=ttft_quantile,
+            target=target,
+        )
     return utilisation_schedule(
         workload.arrival_s,
-        computed * s_prefill * workload.scale,
+        service.work_s * workload.scale,
         outputs * s_decode * workload.scale,
         workload.duration_s,
         target=target,
@@ -116,7 +134,50 @@ def auto_schedule(
         prefill_nodes=prefill.dep.nodes,
         decode_nodes=decode.dep.nodes,
         block=block,
+        prefill_floor=floor,
     )
+
+
+def ttft_prefill_units(
+    workload: Workload,
+    service: PrefillCost,
+    slo_ttft_s: float,
+    *,
+    interval_s: float = 900.0,
+    quantile: float = 0.95,
+    target: float = 1.0,
+) -> np.ndarray:
+    """``[intervals]`` fewest prefill units that are at most ``target`` busy and keep the
+    interval's TTFT ``quantile`` within ``slo_ttft_s``: the interval's arrivals are run through the
+    simulator's prefill queue (:class:`PrefillQueue`, starting empty) on ever more units, from the
+    fewest that are at most ``target`` busy. Like the utilisation policy, it sizes for the work that
+    arrives (a perfect forecast).
+    """
+    first_token = np.maximum(service.work_s, service.min_latency_s)
+    own = float(np.quantile(first_token, quantile)) if first_token.size else 0.0
+    if not slo_ttft_s > own:
+        raise InputError(
+            f"slo_ttft_s={slo_ttft_s:g} is not above the p{quantile * 100:g} prefill time of an "
+            f"idle unit ({own:.3f} s); allowed: > {own:.3f}"
+        )
+    span = interval_spans(workload.duration_s, interval_s)
+    arrival, work = workload.arrival_s, service.work_s * workload.scale
+    bounds = np.searchsorted(arrival, np.arange(span.size + 1) * interval_s)
+    bounds[-1] = arrival.size
+    units = np.ones(span.size, dtype=np.int64)
+    for i in np.flatnonzero(np.diff(bounds)):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        c = max(1, math.ceil(work[lo:hi].sum() / (span[i] * target)))
+        while _ttft_quantile(workload, work, service, lo, hi, c, quantile) > slo_ttft_s:
+            c += 1
+        units[i] = c
+    return units
+
+
+def _ttft_quantile(workload, work, service, lo, hi, units, quantile) -> float:
+    queue = PrefillQueue(workload.arrival_s, work, service.min_latency_s, workload.scale, units)
+    idx, _, first, _ = queue.admit(lo, hi, units)
+    return float(np.quantile(first - workload.arrival_s[idx], quantile))
 
 
 def build_scenario(
@@ -132,12 +193,17 @@ def build_scenario(
     decode_dep: Deployment | None = None,
     target: float | None = None,
     slo_tpot_s: float | None = None,
+    slo_ttft_s: float | None = None,
     block: tuple[int, int] | None = None,
+    balancer: str = "deepseek",
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
-    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target``
-    (default ``DEFAULT_TARGET``), ``slo_tpot_s`` and ``block``) instead of ``"deepseek"`` (the
-    published node curve)."""
+    ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
+    ``DEFAULT_TARGET``), ``slo_tpot_s``, ``slo_ttft_s`` and ``block``) instead of ``"deepseek"``
+    (the published node curve). ``balancer`` (``"deepseek"`` or ``"baseline"``, as in
+    :class:`SimConfig`) is the in-unit balancer the autoscaler sizes prefill work for."""
+    if balancer not in ("deepseek", "baseline"):
+        raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
     hw = hardware(hardware_name)
@@ -148,7 +214,7 @@ def build_scenario(
             raise InputError(f"hours={hours} must be in (0, 24]")
         workload = deepseek_day(scale=scale, seed=seed, hours=hours)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
-    sizing = {"target": target, "slo_tpot_s": slo_tpot_s, "block": block}
+    sizing = {"target": target, "slo_tpot_s": slo_tpot_s, "slo_ttft_s": slo_ttft_s, "block": block}
     given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)
     if fleet != "auto" and given:
         raise InputError(f"{given}: only with fleet='auto' (got fleet={fleet!r})")
@@ -163,7 +229,9 @@ def build_scenario(
             decode,
             target=DEFAULT_TARGET if target is None else target,
             slo_tpot_s=slo_tpot_s,
+            slo_ttft_s=slo_ttft_s,
             block=block,
+            balancer=balancer,
         )
     else:
         raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")

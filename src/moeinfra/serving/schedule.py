@@ -126,6 +126,12 @@ def constant_schedule(
     )
 
 
+def interval_spans(duration_s: float, interval_s: float) -> np.ndarray:
+    """Seconds of each autoscaling interval (the last one may be cut short by the duration)."""
+    k = max(1, math.ceil(duration_s / interval_s))
+    return np.maximum(np.minimum(interval_s, duration_s - np.arange(k) * interval_s), 1e-9)
+
+
 #: Busy share the target-utilisation autoscaler sizes units for unless told otherwise.
 DEFAULT_TARGET = 0.7
 
@@ -142,6 +148,7 @@ def utilisation_schedule(
     decode_nodes: int = 18,
     min_units: int = 1,
     block: tuple[int, int] | None = None,
+    prefill_floor: np.ndarray | None = None,
 ) -> FleetSchedule:
     """Autoscaling by a target-utilisation policy: per ``interval_s``, the whole units whose busy
     share would be ``target`` for the work arriving in it.
@@ -149,6 +156,8 @@ def utilisation_schedule(
     ``prefill_work_s`` / ``decode_work_s``: ``[n]`` unit-seconds each request needs (real scale).
     ``block``: ``(prefill units, decode units)`` added or removed together, as many blocks as the
     more demanding phase needs (DeepSeek's node curve moves in 30-node steps: ``(3, 1)``).
+    ``prefill_floor``: ``[intervals]`` prefill units needed regardless of utilisation (e.g. for a
+    TTFT SLO, :func:`moeinfra.serving.queueing.servers_for_wait`).
     """
     if block is not None and (len(block) != 2 or min(block) < 1):
         raise InputError(f"block={block!r} must be (prefill units, decode units), both >= 1")
@@ -158,9 +167,16 @@ def utilisation_schedule(
         raise InputError(f"interval_s={interval_s} must be > 0")
     k = max(1, math.ceil(duration_s / interval_s))
     slot = np.minimum((arrival_s // interval_s).astype(np.int64), k - 1)
-    prefill = np.bincount(slot, weights=prefill_work_s, minlength=k) / (interval_s * target)
-    decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (interval_s * target)
+    span = interval_spans(duration_s, interval_s)
+    prefill = np.bincount(slot, weights=prefill_work_s, minlength=k) / (span * target)
+    decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (span * target)
     p = np.maximum(np.ceil(prefill), min_units).astype(np.int64)
+    if prefill_floor is not None:
+        if np.shape(prefill_floor) != (k,):
+            raise InputError(
+                f"prefill_floor has shape {np.shape(prefill_floor)}; one value per interval ({k},)"
+            )
+        p = np.maximum(p, np.asarray(prefill_floor, dtype=np.int64))
     d = np.maximum(np.ceil(decode), min_units).astype(np.int64)
     if block is not None:
         blocks = np.maximum(-(-p // block[0]), -(-d // block[1]))

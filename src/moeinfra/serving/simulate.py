@@ -6,9 +6,10 @@ prefill unit (FIFO; cache-hit prefix read from the on-disk KV cache, the rest co
 (continuous batching: every request in the unit advances one token per decode step) -> response.
 
 Method (docs/serving-model.md): each sampled request stands for ``workload.scale`` real requests; a
-unit's batch is ``scale`` x its sampled requests; prefill queues are solved exactly per tick with the
-Lindley recursion (vectorised per unit); decode advances every request by ``tick / step_time`` tokens
-per tick, with the step time of its unit's current batch from the performance model.
+unit's batch is ``scale`` x its sampled requests; prefill is one FIFO queue in front of the units
+(:class:`~moeinfra.serving.prefill_queue.PrefillQueue`, fed once per tick); decode advances every
+request by ``tick / step_time`` tokens per tick, with the step time of its unit's current batch
+from the performance model.
 """
 
 from __future__ import annotations
@@ -19,21 +20,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeinfra.errors import InputError
-from moeinfra.serving.balancers import (
-    DecodeLoadBalancer,
-    PrefillLoadBalancer,
-    RoundRobin,
-    decode_imbalance,
-    fill_least_loaded,
-)
+from moeinfra.serving.balancers import fill_least_loaded
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import FleetSchedule
+from moeinfra.serving.unit_cost import prefill_cost
 from moeinfra.serving.workload import Workload
 
 COMPLETED, RUNNING, REJECTED = 0, 1, 2
 REJECT_REASONS = ("prefill queue over max wait", "decode KV cache full past max wait")
-_SEGMENT = 1e7  # offset between units in the segmented max-accumulate (> any time in a day)
 
 
 @dataclass(frozen=True)
@@ -154,73 +150,6 @@ def json_ready(value):
     return value
 
 
-def _lindley(unit, arrival, work, busy):
-    """Finish times of FIFO single servers: requests sorted by arrival, grouped by ``unit``.
-
-    ``finish_i = W_i + max(busy[unit], max_{j<=i} (a_j - W_{j-1}))`` per unit, ``W`` the cumulative
-    work within the unit; vectorised with a segmented running maximum.
-    """
-    order = np.argsort(unit, kind="stable")
-    u, a, w = unit[order], arrival[order], work[order]
-    change = np.empty(u.size, dtype=bool)
-    change[0] = True
-    np.not_equal(u[1:], u[:-1], out=change[1:])
-    starts = np.flatnonzero(change)
-    seg = np.cumsum(change) - 1
-    cw = np.cumsum(w)
-    base = (cw - w)[starts][seg]  # cumulative work before the segment
-    wi = cw - base
-    x = a - (wi - w) + seg * _SEGMENT
-    run = np.maximum.accumulate(x) - seg * _SEGMENT
-    finish_sorted = wi + np.maximum(busy[u], run)
-    finish = np.empty_like(finish_sorted)
-    finish[order] = finish_sorted
-    last = np.append(starts[1:] - 1, u.size - 1)
-    new_busy = busy.copy()
-    new_busy[u[last]] = finish_sorted[last]
-    return finish, new_busy
-
-
-def _dp_imbalance(
-    prefill: PerfModel, decode: PerfModel, workload: Workload, balancer: str, attn_share: float
-) -> dict:
-    """Slowest DP rank / mean inside one unit, from the balancers on a sample of the workload.
-
-    Prefill: a step's worth of prompts (ranks x tokens_per_gpu uncached tokens); a rank's cost is
-    its token share of the linear work plus its attention share of the core-attention work.
-    Decode: 64 requests per rank with KV = prompt + half the output; KV and request-count ratios.
-    """
-    if workload.size == 0:
-        return {"prefill": 1.0, "decode_kv": 1.0, "decode_requests": 1.0}
-    rng = np.random.default_rng(1)
-    want = prefill.gpus * prefill.dep.tokens_per_gpu
-    mean_computed = float((workload.input_tokens - workload.cached_tokens).mean())
-    k = max(1, int(want / max(mean_computed, 1.0)))
-    pick = rng.choice(workload.size, k, replace=True)
-    prefill_lb = (
-        PrefillLoadBalancer(prefill.gpus, max(prefill.dep.tokens_per_gpu // 4, 1))
-        if balancer == "deepseek"
-        else RoundRobin(prefill.gpus)
-    )
-    placed = prefill_lb.assign(workload.input_tokens[pick], workload.cached_tokens[pick])
-    tokens = placed.rank_tokens / max(placed.rank_tokens.mean(), 1e-300)
-    attn = placed.rank_attention / max(placed.rank_attention.mean(), 1e-300)
-    rank_cost = (1 - attn_share) * tokens + attn_share * attn
-    m = decode.gpus * 64
-    pick = rng.choice(workload.size, m, replace=True)
-    kv = workload.input_tokens[pick] + workload.output_tokens[pick] / 2
-    decode_lb = (
-        DecodeLoadBalancer(decode.gpus) if balancer == "deepseek" else RoundRobin(decode.gpus)
-    )
-    d = decode_imbalance(decode_lb.assign_decode(kv), kv, decode.gpus)
-    return {
-        "prefill": float(max(rank_cost.max() / rank_cost.mean(), 1.0)),
-        "decode_kv": max(d["kv"], 1.0),
-        "decode_requests": max(d["requests"], 1.0),
-        "prefill_detail": placed.imbalance(),
-    }
-
-
 def simulate(
     workload: Workload,
     schedule: FleetSchedule,
@@ -249,35 +178,15 @@ def simulate(
     inputs = workload.input_tokens.astype(np.float64)
     cached = workload.cached_tokens.astype(np.float64)
     outputs = workload.output_tokens.astype(np.float64)
-    computed = inputs - cached
-
     # ---- prefill cost per request (unit-seconds), from the performance model ----
-    mean_in = float(inputs.mean()) if n else 4096.0
-    hit = float(cached.sum() / max(inputs.sum(), 1.0)) if n else 0.0
-    s_per_token = prefill.prefill_seconds_per_token(hit, mean_in)
-    nominal = prefill.prefill_breakdown(
-        cached_per_token=hit / max(1 - hit, 1e-6),
-        attn_keys_per_token=mean_in * hit + mean_in * (1 - hit) / 2,
-    )
-    attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
-    imb = _dp_imbalance(prefill, decode, workload, cfg.balancer, attn_share)
-    keys = cached + computed / 2
-    mean_keys = float((computed * keys).sum() / max(computed.sum(), 1.0)) if n else 1.0
-    work = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
-    work *= imb["prefill"] * S  # a sampled request brings S requests' work to its unit
-    grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
-    grid_s = np.array([prefill.prefill_breakdown(tokens_per_gpu=g).step_s for g in grid])
-    per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
-    min_latency = np.interp(per_rank, grid, grid_s) * np.maximum(
-        1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
-    )
-    # backlog beyond 10 sampled requests' work is a real queue, not sampling lumpiness
-    lump_allowance = 10.0 * (float(work.mean()) if n else 0.0)
+    pc = prefill_cost(prefill, decode, workload, cfg.balancer)
+    work = pc.work_s * S  # a sampled request brings S requests' work to its unit
+    imb = pc.imbalance
     kv_transfer = inputs * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
 
     # ---- state ----
     p_max, d_max = schedule.max_units
-    busy = np.zeros(p_max)
+    queue = PrefillQueue(arrival, work, pc.min_latency_s, S, p_max, cfg.max_prefill_wait_s)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
     status = np.full(n, RUNNING, dtype=np.int64)
     reason = np.full(n, -1, dtype=np.int64)
@@ -313,36 +222,17 @@ def simulate(
         t0 = tick * cfg.tick_s
         t1 = min(t0 + cfg.tick_s, duration)
         p_units, d_units = (int(x) for x in schedule.at(t0))
-        # ---- arrivals -> prefill, in chunks of about one request per running unit (at most 128
-        # chunks a tick), so a burst is spread as "least outstanding work at arrival" would ----
+        # ---- arrivals -> prefill ----
         hi = int(np.searchsorted(arrival, t1, side="left"))
-        chunk = max(p_units, -(-(hi - lo) // 128))
-        for c in range(lo, hi, chunk):
-            idx = np.arange(c, min(c + chunk, hi))
-            levels = np.full(p_max, np.inf)
-            levels[:p_units] = np.maximum(busy[:p_units] - arrival[idx[0]], 0.0)
-            unit = fill_least_loaded(levels, work[idx])
-            ok = busy[unit] - arrival[idx] <= cfg.max_prefill_wait_s
-            status[idx[~ok]] = REJECTED
-            reason[idx[~ok]] = 0
-            idx, unit = idx[ok], unit[ok]
-            if idx.size == 0:
-                continue
-            fin, busy = _lindley(unit, arrival[idx], work[idx], busy)
-            # Sampling rule for the queue (docs/serving-model.md): a sampled request carries S
-            # requests' work, so the simulated queue is lumpy; at fixed utilisation the queueing
-            # delay scales with the lump size (Pollaczek-Khinchine), so a request waits wait/S,
-            # plus in full any backlog beyond `lump_allowance` (a real, sustained queue), then
-            # its own service.
-            wait = fin - work[idx] - arrival[idx]
-            wait = wait / S + np.maximum(wait - lump_allowance, 0.0)
-            fin = arrival[idx] + wait + np.maximum(work[idx] / S, min_latency[idx])
-            np.add.at(work_done_rec, unit, work[idx])
-            ttft[idx] = fin - arrival[idx]
-            first_token[idx] = fin
-            done_tokens[idx] = 1.0
-            ready[idx] = fin + kv_transfer[idx]
-            pend = np.concatenate([pend, idx])
+        idx, unit, fin, refused = queue.admit(lo, hi, p_units)
+        status[refused] = REJECTED
+        reason[refused] = 0
+        np.add.at(work_done_rec, unit, work[idx])
+        ttft[idx] = fin - arrival[idx]
+        first_token[idx] = fin
+        done_tokens[idx] = 1.0
+        ready[idx] = fin + kv_transfer[idx]
+        pend = np.concatenate([pend, idx])
         lo = max(lo, hi)
         # ---- scale-down: move decode requests off units that stop ----
         if prev_d_units is not None and d_units < prev_d_units and a_idx.size:
@@ -514,7 +404,7 @@ def simulate(
         hourly=hourly,
         totals=totals,
         model={
-            "prefill_seconds_per_token": s_per_token,
+            "prefill_seconds_per_token": pc.seconds_per_token,
             "prefill_expert_imbalance": prefill.balance.imbalance,
             "decode_expert_imbalance": decode.balance.imbalance,
             "prefill_dp_imbalance": imb["prefill"],

@@ -1,0 +1,107 @@
+"""What each request costs a unit, from the performance model and the in-unit balancers.
+
+Shared by the simulator (which queues this work) and the autoscaler (which sizes units for it),
+so both see the same service times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeinfra.serving.balancers import (
+    DecodeLoadBalancer,
+    PrefillLoadBalancer,
+    RoundRobin,
+    decode_imbalance,
+)
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.workload import Workload
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Per request of a workload, on one prefill unit (real scale: one request, not a sample).
+
+    ``work_s``: unit-seconds the request occupies the unit at its nominal batch (its share of the
+    uncached tokens, its attention cost, the slowest DP rank). ``min_latency_s``: the step of its own
+    tokens alone, the fastest its first token can come. ``imbalance``: DP-rank imbalance factors.
+    """
+
+    work_s: np.ndarray
+    min_latency_s: np.ndarray
+    seconds_per_token: float
+    attn_share: float
+    imbalance: dict
+
+
+def prefill_cost(
+    prefill: PerfModel, decode: PerfModel, workload: Workload, balancer: str = "deepseek"
+) -> PrefillCost:
+    """Service time of every request of ``workload`` on a ``prefill`` unit (``balancer``:
+    ``"deepseek"`` or ``"baseline"`` inside the unit; ``decode`` supplies the decode DP factors)."""
+    n = workload.size
+    inputs = workload.input_tokens.astype(np.float64)
+    cached = workload.cached_tokens.astype(np.float64)
+    computed = inputs - cached
+    mean_in = float(inputs.mean()) if n else 4096.0
+    hit = float(cached.sum() / max(inputs.sum(), 1.0)) if n else 0.0
+    s_per_token = prefill.prefill_seconds_per_token(hit, mean_in)
+    nominal = prefill.prefill_breakdown(
+        cached_per_token=hit / max(1 - hit, 1e-6),
+        attn_keys_per_token=mean_in * hit + mean_in * (1 - hit) / 2,
+    )
+    attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
+    imb = dp_imbalance(prefill, decode, workload, balancer, attn_share)
+    keys = cached + computed / 2
+    mean_keys = float((computed * keys).sum() / max(computed.sum(), 1.0)) if n else 1.0
+    work = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
+    work *= imb["prefill"]
+    grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
+    grid_s = np.array([prefill.prefill_breakdown(tokens_per_gpu=g).step_s for g in grid])
+    per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
+    min_latency = np.interp(per_rank, grid, grid_s) * np.maximum(
+        1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
+    )
+    return PrefillCost(work, min_latency, s_per_token, attn_share, imb)
+
+
+def dp_imbalance(
+    prefill: PerfModel, decode: PerfModel, workload: Workload, balancer: str, attn_share: float
+) -> dict:
+    """Slowest DP rank / mean inside one unit, from the balancers on a sample of the workload.
+
+    Prefill: a step's worth of prompts (ranks x tokens_per_gpu uncached tokens); a rank's cost is
+    its token share of the linear work plus its attention share of the core-attention work.
+    Decode: 64 requests per rank with KV = prompt + half the output; KV and request-count ratios.
+    """
+    if workload.size == 0:
+        return {"prefill": 1.0, "decode_kv": 1.0, "decode_requests": 1.0}
+    rng = np.random.default_rng(1)
+    want = prefill.gpus * prefill.dep.tokens_per_gpu
+    mean_computed = float((workload.input_tokens - workload.cached_tokens).mean())
+    k = max(1, int(want / max(mean_computed, 1.0)))
+    pick = rng.choice(workload.size, k, replace=True)
+    prefill_lb = (
+        PrefillLoadBalancer(prefill.gpus, max(prefill.dep.tokens_per_gpu // 4, 1))
+        if balancer == "deepseek"
+        else RoundRobin(prefill.gpus)
+    )
+    placed = prefill_lb.assign(workload.input_tokens[pick], workload.cached_tokens[pick])
+    tokens = placed.rank_tokens / max(placed.rank_tokens.mean(), 1e-300)
+    attn = placed.rank_attention / max(placed.rank_attention.mean(), 1e-300)
+    rank_cost = (1 - attn_share) * tokens + attn_share * attn
+    m = decode.gpus * 64
+    pick = rng.choice(workload.size, m, replace=True)
+    kv = workload.input_tokens[pick] + workload.output_tokens[pick] / 2
+    decode_lb = (
+        DecodeLoadBalancer(decode.gpus) if balancer == "deepseek" else RoundRobin(decode.gpus)
+    )
+    d = decode_imbalance(decode_lb.assign_decode(kv), kv, decode.gpus)
+    return {
+        "prefill": float(max(rank_cost.max() / rank_cost.mean(), 1.0)),
+        "decode_kv": max(d["kv"], 1.0),
+        "decode_requests": max(d["requests"], 1.0),
+        "prefill_detail": placed.imbalance(),
+    }
