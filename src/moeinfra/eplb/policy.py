@@ -48,6 +48,7 @@ from moeinfra.eplb.deepseek import (
 )
 from moeinfra.eplb.inputs import Layout, check_layout, to_numpy_load
 from moeinfra.eplb.local_search import (
+    duplicate_slots,
     improve_by_swaps,
     reassign_duplicates,
     repair_duplicates,
@@ -104,6 +105,18 @@ def _pack_hierarchical(load: np.ndarray, ds_phy2log: np.ndarray, lay: Layout) ->
     local_slots = np.take_along_axis(local_expert, bins, axis=1)
     placed = np.take_along_axis(node_experts.reshape(rows, experts_per_node), local_slots, axis=1)
     return placed.reshape(num_layers, lay.num_replicas)
+
+
+def _spare_counts(load: np.ndarray, num_replicas: int) -> np.ndarray:
+    """``[L, E]`` replica counts that spend the redundant slots on the lightest experts.
+
+    The heavy-first counts of ``replicate_spread`` are usually best, but when GPUs are few the
+    split halves of a heavy expert can pack worse than the whole expert: this is the other extreme.
+    """
+    num_experts = load.shape[1]
+    extra = num_replicas - num_experts
+    rank = np.argsort(np.argsort(load, axis=1, kind="stable"), axis=1, kind="stable")
+    return 1 + extra // num_experts + (rank < extra % num_experts)
 
 
 def _swap_search(
@@ -246,7 +259,28 @@ def _auto(
         return result, is_global
     ds_hier = _deepseek_rows(load, lay, True)(open_rows)
     sub_load = load[open_rows]
-    glob_ok = glob_max[open_rows] <= _max_gpu_load(sub_load, ds_hier, lay)
+    ds_hier_max = _max_gpu_load(sub_load, ds_hier, lay)
+    heavier = np.flatnonzero(glob_max[open_rows] > ds_hier_max)
+    if heavier.size and lay.num_replicas > lay.num_experts:
+        rows = open_rows[heavier]
+        spare = _spare_counts(load[rows], lay.num_replicas)
+        alt = _swap_search(
+            _pack_global(load[rows], spare, lay), load[rows], lay, lay.num_gpus, target[rows]
+        )
+        alt_slots = _slot_loads(load[rows], alt, lay)
+        alt_max = alt_slots.reshape(rows.size, lay.num_gpus, -1).sum(axis=2).max(axis=1)
+        better = (alt_max < glob_max[rows]) & ~duplicate_slots(alt, lay.num_gpus).any(axis=1)
+        rows, alt, alt_slots = rows[better], alt[better], alt_slots[better]
+        result[rows] = alt
+        glob_max[rows] = alt_max[better]
+        glob_fanout[rows] = nodes_per_token(
+            alt_slots, alt, lay, groups_per_token, experts_per_token
+        )
+        least[rows] = np.maximum(np.minimum(glob_fanout[rows], hier_fanout[rows]), 1e-12)
+        glob_cost[rows] = np.maximum(
+            glob_max[rows] / mean[rows], traffic_weight * glob_fanout[rows] / least[rows]
+        )
+    glob_ok = glob_max[open_rows] <= ds_hier_max
     hier = _hierarchical(sub_load, lay, ds_hier, target[open_rows])
     hier_cost = np.maximum(
         _max_gpu_load(sub_load, hier, lay) / mean[open_rows],
