@@ -120,6 +120,11 @@ def test_model_json_and_table():
         (["--slo-ttft-p95", "2s"], "error: slo_ttft_s=2.0: only with fleet='auto'"),
         (["--fleet", "auto", "--slo-ttft-p95", "10ms"], "error: slo_ttft_s=0.01 is not above"),
         (["--fleet", "auto", "--slo-ttft-p95", "soon"], "error: --slo-ttft-p95='soon' must be"),
+        (["--fleet", "6x2"], "error: --fleet='6x2' must be deepseek, auto or P:D"),
+        (["--fleet", "0:1"], "error: --fleet='0:1' must be deepseek, auto or P:D"),
+        (["--decode-unit", "8:3"], "error: decode unit: routed experts + redundant_experts = 259"),
+        (["--prefill-unit", "four"], "error: --prefill-unit='four' must be NODES"),
+        (["--gpu-hour-usd", "-1"], "error: gpu_hour_usd=-1.0 must be >= 0"),
     ],
 )
 def test_bad_options_are_one_line_errors(args, message):
@@ -141,3 +146,14 @@ def test_simulate_table_output():
     result = cli("simulate", "--hours", "0.05", "--scale", "1000")
     assert result.returncode == 0, result.stderr
     assert "requests:" in result.stdout and "cost_usd" in result.stdout
+
+
+def test_simulate_a_fixed_fleet_of_chosen_units_at_my_price():
+    result = cli(
+        "simulate", "--hours", "0.1", "--fleet", "2:1", "--prefill-unit", "4:32",
+        "--decode-unit", "4:32", "--gpu-hour-usd", "3", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["peak_nodes"] == 12 and payload["avg_nodes"] == pytest.approx(12.0)
+    assert payload["cost_usd"] == pytest.approx(12 * 0.1 * 8 * 3.0)

@@ -34,12 +34,44 @@ def parse_duration_s(text: str, name: str) -> float:
     return value / 1e3 if match.group(2) == "ms" else value
 
 
+def _whole_numbers(text: str, count: int, at_least: int) -> tuple[int, ...] | None:
+    parts = text.split(":")
+    if len(parts) != count or not all(p.strip().isdigit() for p in parts):
+        return None
+    values = tuple(int(p) for p in parts)
+    return values if min(values) >= at_least else None
+
+
 def parse_block(text: str) -> tuple[int, int]:
     """``"3:1"`` -> ``(3, 1)`` prefill and decode units per block."""
-    parts = text.split(":")
-    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+    values = _whole_numbers(text, 2, 1)
+    if values is None:
         raise InputError(f"--block={text!r} must be P:D with whole numbers >= 1, e.g. 3:1")
-    return int(parts[0]), int(parts[1])
+    return values[0], values[1]
+
+
+def parse_fleet(text: str | None) -> str | tuple[int, int] | None:
+    """``deepseek``, ``auto`` or ``P:D`` (a fixed fleet of P prefill and D decode units)."""
+    if text is None or text in ("deepseek", "auto"):
+        return text
+    values = _whole_numbers(text, 2, 1)
+    if values is None:
+        raise InputError(
+            f"--fleet={text!r} must be deepseek, auto or P:D (fixed prefill:decode units, e.g. 6:2)"
+        )
+    return values[0], values[1]
+
+
+def parse_unit(text: str, name: str, phase: str):
+    """``"18"`` or ``"18:32"`` -> a Deployment of 18 nodes (with 32 redundant experts)."""
+    from moeinfra.serving.specs import Deployment
+
+    values = _whole_numbers(text, 2, 0) or _whole_numbers(text, 1, 0)
+    if values is None or values[0] < 1:
+        raise InputError(
+            f"{name}={text!r} must be NODES or NODES:REDUNDANT_EXPERTS, e.g. 18:32 (nodes >= 1)"
+        )
+    return Deployment(phase, values[0], redundant_experts=values[1] if len(values) == 2 else 32)
 
 
 def _load_workload(path: Path, skip_bad: bool, hit_ratio: float):
@@ -84,7 +116,19 @@ def simulate_cmd(
         100.0, "--scale", help="Real requests per simulated request (generated workload)."
     ),
     fleet: str | None = typer.Option(
-        None, "--fleet", help="deepseek (published node curve) or auto (target utilisation)."
+        None,
+        "--fleet",
+        help="deepseek (published node curve), auto (autoscaling) or P:D (fixed prefill:decode "
+        "units).",
+    ),
+    prefill_unit: str = typer.Option(
+        "4:32", "--prefill-unit", help="Prefill unit: NODES[:REDUNDANT_EXPERTS] (EP = 8 x nodes)."
+    ),
+    decode_unit: str = typer.Option(
+        "18:32", "--decode-unit", help="Decode unit: NODES[:REDUNDANT_EXPERTS] (EP = 8 x nodes)."
+    ),
+    gpu_hour_usd: float | None = typer.Option(
+        None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's)."
     ),
     target: float | None = typer.Option(
         None,
@@ -141,7 +185,10 @@ def simulate_cmd(
         hours=hours,
         scale=scale,
         seed=seed,
-        fleet=fleet,
+        fleet=parse_fleet(fleet),
+        prefill_dep=parse_unit(prefill_unit, "--prefill-unit", "prefill"),
+        decode_dep=parse_unit(decode_unit, "--decode-unit", "decode"),
+        gpu_hour_usd=gpu_hour_usd,
         target=target,
         slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
         slo_ttft_s=(
@@ -237,6 +284,9 @@ def plan_cmd(
         "50ms", "--slo-tpot", help="Time per output token p95 target, e.g. 50ms."
     ),
     hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    gpu_hour_usd: float | None = typer.Option(
+        None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's)."
+    ),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count bad trace lines."),
     hit_ratio: float = typer.Option(
         0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
@@ -245,13 +295,15 @@ def plan_cmd(
 ) -> None:
     """Cheapest fixed fleet (units and EP degree / redundant experts) meeting the SLOs."""
     from moeinfra.serving.planner import plan_capacity
+    from moeinfra.serving.specs import priced_hardware
 
+    hw = priced_hardware(hardware, gpu_hour_usd)
     trace, _ = _load_workload(workload, skip_bad, hit_ratio)
     result = plan_capacity(
         trace,
         slo_ttft_p95_s=parse_duration_s(slo_ttft_p95, "--slo-ttft-p95"),
         slo_tpot_p95_s=parse_duration_s(slo_tpot, "--slo-tpot"),
-        hw=hardware,
+        hw=hw,
     )
     payload = result.to_dict()
     if as_json:

@@ -33,6 +33,7 @@ from moeinfra.serving.specs import (
     deepseek_decode_unit,
     deepseek_prefill_unit,
     hardware,
+    priced_hardware,
 )
 from moeinfra.serving.workload import LengthModel, Workload, deepseek_day, generate, read_trace
 
@@ -70,6 +71,7 @@ __all__ = [
     "hardware",
     "margin",
     "plan_capacity",
+    "priced_hardware",
     "read_trace",
     "revenue_usd",
     "simulate",

@@ -18,6 +18,7 @@ from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
     DEFAULT_TARGET,
     FleetSchedule,
+    constant_schedule,
     deepseek_day_schedule,
     interval_spans,
     utilisation_schedule,
@@ -28,7 +29,7 @@ from moeinfra.serving.specs import (
     Deployment,
     deepseek_decode_unit,
     deepseek_prefill_unit,
-    hardware,
+    priced_hardware,
 )
 from moeinfra.serving.unit_cost import PrefillCost, prefill_cost
 from moeinfra.serving.workload import Workload, deepseek_day
@@ -188,7 +189,7 @@ def build_scenario(
     hours: float | None = None,
     scale: float = DEFAULT_SCALE,
     seed: int = 0,
-    fleet: str | None = None,
+    fleet: str | tuple[int, int] | None = None,
     prefill_dep: Deployment | None = None,
     decode_dep: Deployment | None = None,
     target: float | None = None,
@@ -196,17 +197,20 @@ def build_scenario(
     slo_ttft_s: float | None = None,
     block: tuple[int, int] | None = None,
     balancer: str = "deepseek",
+    gpu_hour_usd: float | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
     ``DEFAULT_TARGET``), ``slo_tpot_s``, ``slo_ttft_s`` and ``block``) instead of ``"deepseek"``
-    (the published node curve). ``balancer`` (``"deepseek"`` or ``"baseline"``, as in
-    :class:`SimConfig`) is the in-unit balancer the autoscaler sizes prefill work for."""
+    (the published node curve); ``fleet=(P, D)`` runs P prefill and D decode units throughout.
+    ``balancer`` (``"deepseek"`` or ``"baseline"``, as in :class:`SimConfig`) is the in-unit
+    balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
+    preset's price."""
     if balancer not in ("deepseek", "baseline"):
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
-    hw = hardware(hardware_name)
+    hw = priced_hardware(hardware_name, gpu_hour_usd)
     prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, DEEPSEEK_V3)
     decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, DEEPSEEK_V3)
     if workload is None:
@@ -218,7 +222,13 @@ def build_scenario(
     given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)
     if fleet != "auto" and given:
         raise InputError(f"{given}: only with fleet='auto' (got fleet={fleet!r})")
-    if fleet == "deepseek":
+    if isinstance(fleet, tuple):
+        if len(fleet) != 2 or min(fleet) < 1:
+            raise InputError(f"fleet={fleet!r} must be (prefill units, decode units), both >= 1")
+        schedule = constant_schedule(
+            int(fleet[0]), int(fleet[1]), workload.duration_s, prefill.dep.nodes, decode.dep.nodes
+        )
+    elif fleet == "deepseek":
         if prefill.dep.nodes != 4 or decode.dep.nodes != 18:
             raise InputError("fleet='deepseek' needs the 4-node prefill and 18-node decode units")
         schedule = deepseek_day_schedule(min(workload.duration_s, 86_400.0) / 3600.0)
@@ -234,7 +244,7 @@ def build_scenario(
             balancer=balancer,
         )
     else:
-        raise InputError(f"fleet={fleet!r} must be 'deepseek' or 'auto'")
+        raise InputError(f"fleet={fleet!r} must be 'deepseek', 'auto' or (prefill, decode) units")
     return Scenario(name, workload, schedule, prefill, decode)
 
 

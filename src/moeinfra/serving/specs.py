@@ -142,8 +142,8 @@ HARDWARE: dict[str, HardwareSpec] = {
     "h100": HardwareSpec("h100", 8, 1979.0, 989.0, 80.0, 3.35, 450.0, 50.0, 132, 2.0),
     "h200": HardwareSpec("h200", 8, 1979.0, 989.0, 141.0, 4.8, 450.0, 50.0, 132, 2.5),
     # B200: 4.5 PFLOPS dense FP8, 2.25 PFLOPS dense BF16, 180 GB at 8 TB/s, NVLink 5 (900 GB/s/dir).
-    # GPU-hour prices other than DeepSeek's $2 for H800 are illustrative rental prices; override
-    # with dataclasses.replace(hardware("b200"), gpu_hour_usd=...).
+    # GPU-hour prices other than DeepSeek's $2 for H800 are illustrative rental prices; give yours
+    # with priced_hardware("b200", gpu_hour_usd) or the CLI's --gpu-hour-usd.
     "b200": HardwareSpec("b200", 8, 4500.0, 2250.0, 180.0, 8.0, 900.0, 50.0, 148, 4.0),
 }
 
@@ -154,6 +154,16 @@ def hardware(name: str) -> HardwareSpec:
     if key not in HARDWARE:
         raise InputError(f"hardware={name!r} is not one of {', '.join(HARDWARE)}")
     return HARDWARE[key]
+
+
+def priced_hardware(name: str, gpu_hour_usd: float | None = None) -> HardwareSpec:
+    """The preset called ``name``, at ``gpu_hour_usd`` per GPU-hour if given."""
+    hw = hardware(name)
+    if gpu_hour_usd is None:
+        return hw
+    if not gpu_hour_usd >= 0:
+        raise InputError(f"gpu_hour_usd={gpu_hour_usd} must be >= 0")
+    return replace(hw, gpu_hour_usd=gpu_hour_usd)
 
 
 @dataclass(frozen=True)
@@ -248,8 +258,8 @@ def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> Exper
     slots = model.num_routed_experts + dep.redundant_experts
     if slots % gpus:
         raise InputError(
-            f"routed experts + redundant_experts = {slots} must be a multiple of the unit's "
-            f"{gpus} GPUs"
+            f"{dep.phase} unit: routed experts + redundant_experts = {slots} must be a multiple "
+            f"of its {gpus} GPUs"
         )
     load = synthetic_load(
         dep.load_kind,
