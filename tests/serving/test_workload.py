@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moeinfra.errors import InputError
+from moeinfra.serving.prefix_cache import PrefixCache
 from moeinfra.serving.workload import (
     DEEPSEEK_DAY_DEMAND,
     LengthModel,
@@ -61,6 +62,30 @@ def test_jsonl_mooncake_replay_with_prefix_hits(tmp_path):
     assert bad == 0
     assert w.arrival_s.tolist() == [0.0, 0.5, 1.0]  # Mooncake timestamps are milliseconds
     assert w.cached_tokens.tolist() == [0, 1024, 0]  # two 512-token blocks seen before
+
+
+def test_follow_up_turn_hits_what_the_previous_decode_wrote(tmp_path):
+    # A: 1,200-token prompt (2 full blocks + a partial one) answered with 600 tokens: decode fills
+    # block 2 (tokens 1,024..1,535). B repeats A's full blocks and goes on: blocks 0-2 are hits.
+    # C shares only A's first block (another chat with the same system prompt): 1 block.
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 3000, "input_length": 900, "output_length": 5, "hash_ids": [1, 30]},
+        {"timestamp": 0, "input_length": 1200, "output_length": 600, "hash_ids": [1, 2, 3]},
+        {"timestamp": 2000, "input_length": 2100, "output_length": 9, "hash_ids": [1, 2, 10, 11, 12]},
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    w, _ = read_trace(path)
+    assert w.input_tokens.tolist() == [1200, 2100, 900]  # replayed in arrival order
+    assert w.cached_tokens.tolist() == [0, 3 * 512, 512]
+
+
+def test_prefix_cache_stores_prompts_and_outputs():
+    cache = PrefixCache(block_tokens=4)
+    assert cache.serve([1, 2, 3], input_tokens=10, output_tokens=7) == 0  # writes 2 + 2 full blocks
+    assert cache.serve([1, 2, 5, 6, 7], input_tokens=20, output_tokens=1) == 16  # 2 + 2 written
+    assert cache.serve([1, 2, 3], input_tokens=10, output_tokens=1) == 12  # all three stored
+    assert cache.serve([9], input_tokens=3, output_tokens=50) == 0  # no full block: no key
 
 
 def test_bad_lines_name_the_line_or_are_counted(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from moeinfra.errors import InputError
+from moeinfra.serving.prefix_cache import PrefixCache
 
 #: Relative demand per hour from 12:00 UTC+8, digitised from DeepSeek's day-6 income chart
 #: (column ``demand_rel_peak`` of deepseek_day6_hourly.csv; peak 1.0 at 22:00).
@@ -225,16 +226,6 @@ def _parse_time(text: str) -> float:
         return datetime.fromisoformat(text.strip()[:26]).timestamp()
 
 
-def _prefix_hits(hash_ids: list, seen: set, block_tokens: int) -> int:
-    hits = 0
-    for h in hash_ids:
-        if h not in seen:
-            break
-        hits += 1
-    seen.update(hash_ids)
-    return hits * block_tokens
-
-
 def read_trace(
     path: str | Path,
     *,
@@ -248,7 +239,9 @@ def read_trace(
 
     * ``.jsonl``: one object per line with ``timestamp``, ``input_length``, ``output_length`` and
       optional ``hash_ids`` (prefix blocks of ``hash_block_tokens`` tokens, as in Mooncake traces;
-      a block seen earlier is a cache hit). Timestamps in ms unless ``time_unit_s`` is given.
+      a block written earlier, by a prefill or by the decode of the turn a prompt follows, is a
+      cache hit: :class:`~moeinfra.serving.prefix_cache.PrefixCache`, in arrival order).
+      Timestamps in ms unless ``time_unit_s`` is given.
     * ``.csv``: header ``timestamp,input_tokens,output_tokens`` (or Azure's
       ``TIMESTAMP,ContextTokens,GeneratedTokens``); timestamps in seconds or ISO date-times.
 
@@ -259,7 +252,7 @@ def read_trace(
     rows: list[tuple[float, int, int, int]] = []
     bad = 0
     has_hashes = False
-    seen: set = set()
+    blocks: dict[int, list] = {}  # row -> its prompt's hash_ids
 
     def fail(line_no: int, why: str) -> None:
         nonlocal bad
@@ -285,11 +278,10 @@ def read_trace(
                 if n_in < 1 or n_out < 1 or not math.isfinite(t):
                     fail(line_no, f"input_length={n_in} and output_length={n_out} must be >= 1")
                     continue
-                cached = 0
                 if hashes is not None:
                     has_hashes = True
-                    cached = min(_prefix_hits(list(hashes), seen, hash_block_tokens), n_in - 1)
-                rows.append((t, n_in, n_out, cached))
+                    blocks[len(rows)] = list(hashes)
+                rows.append((t, n_in, n_out, 0))
     elif suffix == ".csv":
         unit = 1.0 if time_unit_s is None else time_unit_s
         with path.open(encoding="utf-8", newline="") as handle:
@@ -328,6 +320,12 @@ def read_trace(
     data = np.array(rows, dtype=np.float64)
     order = np.argsort(data[:, 0], kind="stable")
     data = data[order]
+    if has_hashes:
+        cache = PrefixCache(hash_block_tokens)
+        for i, row in enumerate(order.tolist()):
+            if row in blocks:
+                n_in, n_out = int(data[i, 1]), int(data[i, 2])
+                data[i, 3] = min(cache.serve(blocks[row], n_in, n_out), n_in - 1)
     arrival = data[:, 0] - data[0, 0]
     inputs = data[:, 1].astype(np.int64)
     cached = data[:, 3].astype(np.int64)
