@@ -102,9 +102,9 @@ def auto_schedule(
 
     A decode unit's capacity is its output rate at ``decode_batch_per_gpu`` requests per GPU or,
     with ``slo_tpot_s``, at the largest batch whose step still meets that time per output token.
-    With ``slo_ttft_s`` each interval gets at least the prefill units whose queueing (M/G/c, the
-    units as servers of one FIFO queue) keeps the ``ttft_quantile`` of the time to first token
-    within it. Units are sized so the work arriving would keep them ``target`` busy, in blocks of
+    With ``slo_ttft_s`` each interval gets at least the prefill units with which its arrivals, run
+    through the simulator's prefill queue, keep the ``ttft_quantile`` of the time to first token
+    within it (:func:`ttft_prefill_units`). Units are sized so the work arriving would keep them ``target`` busy, in blocks of
     ``block = (prefill units, decode units)`` if given. ``balancer``: the DP-rank balancer inside
     units (as in :class:`SimConfig`), which sets the prefill work per request.
     """
@@ -150,9 +150,10 @@ def ttft_prefill_units(
 ) -> np.ndarray:
     """``[intervals]`` fewest prefill units that are at most ``target`` busy and keep the
     interval's TTFT ``quantile`` within ``slo_ttft_s``: the interval's arrivals are run through the
-    simulator's prefill queue (:class:`PrefillQueue`, starting empty) on ever more units, from the
-    fewest that are at most ``target`` busy. Like the utilisation policy, it sizes for the work that
-    arrives (a perfect forecast).
+    simulator's prefill queue (:class:`PrefillQueue`, starting empty), doubling the units from the
+    fewest that are at most ``target`` busy, then bisecting. Like the utilisation policy, it sizes
+    for the work that arrives (a perfect forecast). An interval whose requests miss the SLO even
+    without queueing gets a unit per sampled request (nothing waits).
     """
     first_token = np.maximum(service.work_s, service.min_latency_s)
     own = float(np.quantile(first_token, quantile)) if first_token.size else 0.0
@@ -168,17 +169,25 @@ def ttft_prefill_units(
     units = np.ones(span.size, dtype=np.int64)
     for i in np.flatnonzero(np.diff(bounds)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
-        c = max(1, math.ceil(work[lo:hi].sum() / (span[i] * target)))
-        while _ttft_quantile(workload, work, service, lo, hi, c, quantile) > slo_ttft_s:
-            c += 1
-        units[i] = c
+
+        def meets(count: int, lo=lo, hi=hi) -> bool:
+            queue = PrefillQueue(arrival, work, service.min_latency_s, workload.scale, count)
+            idx, _, first, _ = queue.admit(lo, hi, count)
+            return float(np.quantile(first - arrival[idx], quantile)) <= slo_ttft_s
+
+        start = max(1, math.ceil(work[lo:hi].sum() / (span[i] * target)))
+        if meets(start):
+            units[i] = start
+            continue
+        cap = max(hi - lo, start)  # a unit per sampled request: nothing waits
+        fails, enough = start, min(2 * start, cap)
+        while enough < cap and not meets(enough):
+            fails, enough = enough, min(2 * enough, cap)
+        while enough - fails > 1:
+            mid = (fails + enough) // 2
+            fails, enough = (fails, mid) if meets(mid) else (mid, enough)
+        units[i] = enough
     return units
-
-
-def _ttft_quantile(workload, work, service, lo, hi, units, quantile) -> float:
-    queue = PrefillQueue(workload.arrival_s, work, service.min_latency_s, workload.scale, units)
-    idx, _, first, _ = queue.admit(lo, hi, units)
-    return float(np.quantile(first - workload.arrival_s[idx], quantile))
 
 
 def build_scenario(
