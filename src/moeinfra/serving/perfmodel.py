@@ -29,6 +29,26 @@ DISPATCH_BYTES_PER_TOKEN = 7_392  # 7,168 FP8 values + 56 float32 scales, per de
 COMBINE_BYTES_PER_TOKEN = 14_336  # 7,168 BF16 values, per destination
 
 
+#: FP8 TFLOPS DeepGEMM published for DeepSeek-V3's GEMM shapes on H800 (README, 2025-02), by rows
+#: (per group for the grouped MoE kernels). Roles: MLA down-projections (q_a + kv_a, N=2112,
+#: K=7168), q up-projection (24576 x 1536), kv up-projection (32768 x 512), output projection
+#: (7168 x 16384), expert gate+up (4096 x 7168) and down (7168 x 2048) as plain GEMMs (shared
+#: expert), contiguous grouped (prefill) and masked grouped (decode).
+DEEPGEMM_H800_TFLOPS: dict[str, dict[int, float]] = {
+    "mla_down": {64: 206.0, 128: 352.0, 4096: 1058.0},
+    "q_up": {64: 289.0, 128: 535.0, 4096: 990.0},
+    "kv_up": {64: 219.0, 128: 358.0, 4096: 590.0},
+    "attn_out": {64: 336.0, 128: 645.0, 4096: 1358.0},
+    "expert_up": {64: 287.0, 128: 533.0, 4096: 1304.0},
+    "expert_down": {64: 295.0, 128: 510.0, 4096: 1025.0},
+    "expert_up_contiguous": {4096: 1288.0, 8192: 1297.0},
+    "expert_down_contiguous": {4096: 1093.0, 8192: 1099.0},
+    "expert_up_masked": {256: 932.0, 512: 1040.0, 1024: 1233.0},
+    "expert_down_masked": {256: 815.0, 512: 916.0, 1024: 925.0},
+}
+H800_FP8_TFLOPS = 1979.0
+
+
 def _interp_ep(table: dict[int, float], ep: int) -> float:
     """Value of a table keyed by EP degree at ``ep`` (log-linear between keys, clamped outside)."""
     keys = np.array(sorted(table), dtype=np.float64)
@@ -40,7 +60,11 @@ def _interp_ep(table: dict[int, float], ep: int) -> float:
 class Efficiency:
     """Achieved fractions of peak, each from a published kernel figure on H800 (see docs).
 
-    gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682.
+    gemm_tflops: DeepGEMM's published FP8 TFLOPS on H800 per GEMM role and row count
+        (``DEEPGEMM_H800_TFLOPS``), used as a fraction of the FP8 peak for the MLA projections and
+        the expert GEMMs; fewer rows than the table's smallest cost as many as that (weight-bound).
+    gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682, for the GEMMs the table does not
+        list (MoE gate, dense MLPs of the first layers, LM head), with the HBM roofline.
     attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586.
     memory: FlashMLA 3,000 of 3,350 GB/s -> 0.896 (all HBM-bound reads).
     nvlink: DeepEP intranode 153 of 160 GB/s -> 0.956.
@@ -60,6 +84,9 @@ class Efficiency:
     memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
     """
 
+    gemm_tflops: dict[str, dict[int, float]] = field(
+        default_factory=lambda: {k: dict(v) for k, v in DEEPGEMM_H800_TFLOPS.items()}
+    )
     gemm: float = 1350.0 / 1979.0
     attention_compute: float = 580.0 / 989.0
     memory: float = 3000.0 / 3350.0
@@ -197,6 +224,49 @@ class PerfModel:
             weight_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
         )
 
+    def _deepgemm(self, role: str, rows, n: int, k: int, sm_fraction: float = 1.0, groups: int = 1):
+        """Seconds of ``groups`` FP8 GEMMs ``[rows, k] x [k, n]`` at DeepGEMM's throughput for
+        ``role`` at that many rows (log-interpolated, clamped; ``rows`` broadcasts)."""
+        table = self.eff.gemm_tflops[role]
+        ms = np.array(sorted(table), dtype=np.float64)
+        rows = np.maximum(np.asarray(rows, dtype=np.float64), ms[0])
+        tflops = np.interp(np.log2(rows), np.log2(ms), [table[int(x)] for x in ms])
+        peak = self.hw.fp8_tflops * 1e12 * (tflops / H800_FP8_TFLOPS) * sm_fraction
+        return groups * 2.0 * rows * n * k / peak
+
+    def _mla_projections(self, tokens, up_tokens, sm_fraction: float = 1.0):
+        """The four MLA projection GEMMs for ``tokens`` rows; the kv up-projection runs on
+        ``up_tokens`` rows (prefill adds the cached prefix, whose latent KV is up-projected)."""
+        m = self.model
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return (
+            self._deepgemm(
+                "mla_down",
+                tokens,
+                m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim,
+                m.hidden,
+                sm_fraction,
+            )
+            + self._deepgemm("q_up", tokens, m.num_heads * qk, m.q_lora_rank, sm_fraction)
+            + self._deepgemm(
+                "kv_up",
+                up_tokens,
+                m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                m.kv_lora_rank,
+                sm_fraction,
+            )
+            + self._deepgemm("attn_out", tokens, m.hidden, m.num_heads * m.v_head_dim, sm_fraction)
+        )
+
+    def _experts(self, kind: str, tokens, experts: int, sm_fraction: float = 1.0):
+        """Gate+up and down GEMMs of ``experts`` experts sharing ``tokens`` rows each; ``kind``:
+        ``""`` (plain, the shared expert), ``"_contiguous"`` or ``"_masked"`` (grouped)."""
+        m = self.model
+        inter, hidden = m.moe_intermediate, m.hidden
+        return self._deepgemm(
+            "expert_up" + kind, tokens, 2 * inter, hidden, sm_fraction, experts
+        ) + self._deepgemm("expert_down" + kind, tokens, hidden, inter, sm_fraction, experts)
+
     def _attention(self, flops, kv_bytes, sm_fraction: float = 1.0):
         hw, eff = self.hw, self.eff
         return np.maximum(
@@ -227,6 +297,14 @@ class PerfModel:
         fixed = self.eff.ll_fixed_share
         return tuple(self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
 
+    @property
+    def _slots(self) -> int:
+        return self.balance.slots_per_gpu
+
+    def _rows_per_expert(self, tokens):
+        """Rows each routed-expert slot of the heaviest GPU gets from ``tokens`` tokens per GPU."""
+        return tokens * self.model.experts_per_token * self.balance.imbalance / self._slots
+
     # ---- prefill ---------------------------------------------------------------------------
     def prefill_breakdown(
         self,
@@ -249,25 +327,14 @@ class PerfModel:
         nb = n / mb
         sm = eff.prefill_compute_sms if mb == 2 and self.gpus > 1 else 1.0
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        up_params = m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attn_proj = self._gemm(
-            2 * nb * m.mla_params + 2 * nb * cached_per_token * up_params, m.mla_params, sm
-        )
+        attn_proj = self._mla_projections(nb, nb * (1 + cached_per_token), sm)
         core = self._attention(
             2 * m.num_heads * (qk + m.v_head_dim) * nb * keys,
             nb * (1 + cached_per_token) * 2 * m.kv_values_per_token_layer,
             sm,
         )
-        shared = self._gemm(
-            2 * nb * m.num_shared_experts * m.expert_params,
-            m.num_shared_experts * m.expert_params,
-            sm,
-        )
-        routed = self._gemm(
-            2 * nb * m.experts_per_token * m.expert_params * self.balance.imbalance,
-            self.balance.slots_per_gpu * m.expert_params,
-            sm,
-        )
+        shared = self._experts("", nb, m.num_shared_experts, sm)
+        routed = self._experts("_contiguous", self._rows_per_expert(nb), self._slots, sm)
         gate = self._gemm(
             2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts, sm
         )
@@ -303,21 +370,14 @@ class PerfModel:
         m = self.model
         mb = self.dep.micro_batches
         nb = b / mb
-        absorbed_q = m.kv_lora_rank * m.num_heads * m.qk_nope_head_dim
-        absorbed_o = m.kv_lora_rank * m.num_heads * m.v_head_dim
-        attn_proj = self._gemm(2 * nb * m.mla_params, m.mla_params)
+        # absorbed MLA: the kv up-projection folds into q and the output, same FLOPs and weights
+        attn_proj = self._mla_projections(nb, nb)
         kv_vals = m.kv_values_per_token_layer
         core = self._attention(
             2 * m.num_heads * (kv_vals + m.kv_lora_rank) * nb * kv, nb * kv * 2 * kv_vals
         )
-        del absorbed_q, absorbed_o  # same FLOPs as the kv up-projection counted in mla_params
-        shared = self._gemm(
-            2 * nb * m.num_shared_experts * m.expert_params, m.num_shared_experts * m.expert_params
-        )
-        routed = self._gemm(
-            2 * nb * m.experts_per_token * m.expert_params * self.balance.imbalance,
-            self.balance.slots_per_gpu * m.expert_params,
-        )
+        shared = self._experts("", nb, m.num_shared_experts)
+        routed = self._experts("_masked", self._rows_per_expert(nb), self._slots)
         gate = self._gemm(2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts)
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params)
         dispatch, combine = self._a2a_low_latency(nb) if self.gpus > 1 else (0.0 * nb, 0.0 * nb)
