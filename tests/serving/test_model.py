@@ -214,3 +214,18 @@ def test_gemms_run_at_deepgemm_published_throughput():
     assert masked == pytest.approx(2 * prefill._deepgemm("expert_up_masked", 256, 4096, 7168))
     between = prefill._deepgemm("q_up", 1024, 24576, 1536)
     assert 2 * 1024 * 24576 * 1536 / 990e12 < between < 2 * 1024 * 24576 * 1536 / 535e12
+
+
+@pytest.mark.parametrize("batch", [0.3, 7.0, 35.0, 88.0, 500.0])
+def test_decode_gemm_curves_match_the_exact_gemm_model(batch):
+    decode = PerfModel(deepseek_decode_unit(), hardware("h800"))
+    nb = batch / decode.dep.micro_batches
+    attn_proj, _, shared, routed, *_ = decode._decode_parts(batch, 0.0)
+    parts = {"attn_proj": attn_proj, "shared": shared, "routed": routed}
+    exact = {
+        "attn_proj": decode._mla_projections(nb, nb),
+        "shared": decode._experts("", nb, 1),
+        "routed": decode._experts("_masked", decode._rows_per_expert(nb), decode._slots),
+    }
+    for name, value in exact.items():
+        assert float(parts[name]) == pytest.approx(float(value), rel=1e-3)

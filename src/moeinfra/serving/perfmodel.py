@@ -12,6 +12,7 @@ figures, and shared by every scenario.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -185,6 +186,17 @@ class PerfModel:
         self.dep, self.hw, self.model, self.eff = dep, hw, model, eff
         self.gpus = dep.gpus(hw)
         self.balance = balance if balance is not None else expert_balance(model, hw, dep)
+        # per GEMM role: (log2 rows, achieved FLOP/s on this hardware) from DeepGEMM's H800 table
+        self._gemm_tables = {
+            role: (
+                np.log2(np.array(sorted(table), dtype=np.float64)),
+                np.array([table[m] for m in sorted(table)])
+                / H800_FP8_TFLOPS
+                * hw.fp8_tflops
+                * 1e12,
+            )
+            for role, table in eff.gemm_tflops.items()
+        }
         nic = hw.rdma_gb_per_s / 50.0  # the published kernel figures are for 50 GB/s NICs
         normal, low_latency = eff.rdma_normal_gb_per_s, eff.ll_latency_us_128
         # (dispatch, combine) RDMA bandwidth in bytes/s and low-latency seconds for 128 tokens
@@ -227,12 +239,10 @@ class PerfModel:
     def _deepgemm(self, role: str, rows, n: int, k: int, sm_fraction: float = 1.0, groups: int = 1):
         """Seconds of ``groups`` FP8 GEMMs ``[rows, k] x [k, n]`` at DeepGEMM's throughput for
         ``role`` at that many rows (log-interpolated, clamped; ``rows`` broadcasts)."""
-        table = self.eff.gemm_tflops[role]
-        ms = np.array(sorted(table), dtype=np.float64)
-        rows = np.maximum(np.asarray(rows, dtype=np.float64), ms[0])
-        tflops = np.interp(np.log2(rows), np.log2(ms), [table[int(x)] for x in ms])
-        peak = self.hw.fp8_tflops * 1e12 * (tflops / H800_FP8_TFLOPS) * sm_fraction
-        return groups * 2.0 * rows * n * k / peak
+        log_rows, peak = self._gemm_tables[role]
+        rows = np.maximum(np.asarray(rows, dtype=np.float64), 2.0 ** log_rows[0])
+        achieved = np.interp(np.log2(rows), log_rows, peak) * sm_fraction
+        return groups * 2.0 * rows * n * k / achieved
 
     def _mla_projections(self, tokens, up_tokens, sm_fraction: float = 1.0):
         """The four MLA projection GEMMs for ``tokens`` rows; the kv up-projection runs on
@@ -296,6 +306,21 @@ class PerfModel:
         scale = tokens * self.balance.imbalance / 128.0
         fixed = self.eff.ll_fixed_share
         return tuple(self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
+
+    @cached_property
+    def _decode_gemm_curves(self):
+        """Decode's GEMM seconds per micro-batch on a 1/16-octave grid of tokens per GPU (2^-4 to
+        2^20), interpolated per call (the step model runs for every unit and tick): MLA projections
+        (absorbed: the kv up-projection folds into q and the output, same FLOPs and weights), the
+        shared expert, the routed experts (masked grouped kernel)."""
+        grid = np.arange(-4.0, 20.0 + 1 / 32, 1 / 16)
+        tokens = 2.0**grid
+        return (
+            grid,
+            self._mla_projections(tokens, tokens),
+            self._experts("", tokens, self.model.num_shared_experts),
+            self._experts("_masked", self._rows_per_expert(tokens), self._slots),
+        )
 
     @property
     def _slots(self) -> int:
@@ -370,14 +395,15 @@ class PerfModel:
         m = self.model
         mb = self.dep.micro_batches
         nb = b / mb
-        # absorbed MLA: the kv up-projection folds into q and the output, same FLOPs and weights
-        attn_proj = self._mla_projections(nb, nb)
+        log_nb = np.log2(np.maximum(nb, 1e-9))
+        grid, attn_curve, shared_curve, routed_curve = self._decode_gemm_curves
+        attn_proj = np.interp(log_nb, grid, attn_curve)
         kv_vals = m.kv_values_per_token_layer
         core = self._attention(
             2 * m.num_heads * (kv_vals + m.kv_lora_rank) * nb * kv, nb * kv * 2 * kv_vals
         )
-        shared = self._experts("", nb, m.num_shared_experts)
-        routed = self._experts("_masked", self._rows_per_expert(nb), self._slots)
+        shared = np.interp(log_nb, grid, shared_curve)
+        routed = np.interp(log_nb, grid, routed_curve)
         gate = self._gemm(2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts)
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params)
         dispatch, combine = self._a2a_low_latency(nb) if self.gpus > 1 else (0.0 * nb, 0.0 * nb)
