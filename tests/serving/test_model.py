@@ -210,8 +210,14 @@ def test_gemms_run_at_deepgemm_published_throughput():
     assert kv_up == pytest.approx(2 * 4096 * 32768 * 512 / 590e12)
     out_128 = prefill._deepgemm("attn_out", 128, 7168, 16384)
     assert out_128 == pytest.approx(2 * 128 * 7168 * 16384 / 645e12)
-    masked = prefill._deepgemm("expert_up_masked", 100, 4096, 7168, groups=2)
-    assert masked == pytest.approx(2 * prefill._deepgemm("expert_up_masked", 256, 4096, 7168))
+    masked = prefill._deepgemm("expert_up_masked", 256, 4096, 7168, groups=2)
+    assert masked == pytest.approx(2 * 2 * 256 * 4096 * 7168 / 932e12)
+    # below the grouped kernels' smallest published rows: the plain GEMM of that shape, then held
+    few = prefill._deepgemm("expert_down_contiguous", 128, 7168, 2048)
+    assert few == pytest.approx(2 * 128 * 7168 * 2048 / 510e12)
+    assert prefill._deepgemm("expert_up_masked", 10, 4096, 7168) == pytest.approx(
+        2 * 64 * 4096 * 7168 / 287e12
+    )
     between = prefill._deepgemm("q_up", 1024, 24576, 1536)
     assert 2 * 1024 * 24576 * 1536 / 990e12 < between < 2 * 1024 * 24576 * 1536 / 535e12
 

@@ -111,6 +111,18 @@ def test_prefill_queue_is_the_m_m_c_queue():
     assert (wait > 1e-6).mean() == pytest.approx(erlang_c, rel=0.03)
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_one_token_answer_finishes_when_it_reaches_decode():
+    # its only token comes from prefill: alone in its decode unit, it must not wait for a step
+    w = Workload(
+        np.array([0.0, 30.0]), np.array([900, 800]), np.array([1, 1]), np.zeros(2), 1.0, 60.0
+    )
+    result = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE)
+    assert (result.status == COMPLETED).all()
+    assert np.isfinite(result.finish_s).all()
+    assert (result.finish_s >= w.arrival_s + result.ttft_s).all()
+
+
 def test_overload_rejects_with_reasons_and_never_loses_requests():
     w = small_workload(rate=400.0, hours=0.05)
     result = simulate(
@@ -208,13 +220,13 @@ def test_sampling_rule_error_is_small():
 def test_sampling_rule_keeps_latency_distributions():
     """Six minutes simulated exactly (1:1) and at 1:100: TTFT percentiles within 10%, TPOT p50
     within 5%. TPOT p95 is biased upwards by sampling (a unit's batch moves in lumps of 100
-    requests): +6.5%, +10.7% and +7.3% with seeds 0, 5 and 6 (docs/serving-model.md)."""
+    requests): +1.8%, +3.4% and +2.9% with seeds 0, 5 and 6 (docs/serving-model.md)."""
     exact = build_scenario(hours=0.1, scale=1.0).run().to_dict(hourly=False)
     sampled = build_scenario(hours=0.1, scale=100.0, seed=5).run().to_dict(hourly=False)
     for q in ("p50", "p95"):
         assert sampled["ttft_s"][q] == pytest.approx(exact["ttft_s"][q], rel=0.10)
     assert sampled["tpot_s"]["p50"] == pytest.approx(exact["tpot_s"]["p50"], rel=0.05)
-    assert 1.0 <= sampled["tpot_s"]["p95"] / exact["tpot_s"]["p95"] <= 1.12
+    assert 1.0 <= sampled["tpot_s"]["p95"] / exact["tpot_s"]["p95"] <= 1.08
 
 
 def test_auto_fleet_for_a_trace_like_workload():
@@ -241,14 +253,14 @@ def test_slo_sized_decode_fleet_meets_its_slo_and_grows_when_tighter():
     w = small_workload(rate=120.0, hours=0.25, seed=2)
     four_nodes = Deployment("decode", 4)
     fleets = {}
-    for slo in (0.080, 0.050):
+    for slo in (0.080, 0.045):
         scenario = build_scenario(workload=w, decode_dep=four_nodes, target=0.9, slo_tpot_s=slo)
         result = scenario.run()
         tpot = result.tpot_s[np.isfinite(result.tpot_s)]
         assert result.requests()["rejected"] == 0
         assert np.percentile(tpot, 50) <= slo
         fleets[slo] = scenario.schedule.decode_units.mean()
-    assert fleets[0.050] > fleets[0.080]
+    assert fleets[0.045] > fleets[0.080]
     with pytest.raises(InputError, match="slo_tpot_s=0.05: only with fleet='auto'"):
         build_scenario(hours=0.1, slo_tpot_s=0.05)
 

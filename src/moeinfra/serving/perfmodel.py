@@ -48,6 +48,20 @@ DEEPGEMM_H800_TFLOPS: dict[str, dict[int, float]] = {
     "expert_down_masked": {256: 815.0, 512: 916.0, 1024: 925.0},
 }
 H800_FP8_TFLOPS = 1979.0
+_GROUPED = ("_contiguous", "_masked")
+
+
+def _rows_table(role: str, tables: dict[str, dict[int, float]]) -> dict[int, float]:
+    """TFLOPS by rows for ``role``; a grouped kernel's table is extended below its smallest
+    published rows per expert by the plain GEMM of the same shape (DeepGEMM publishes the grouped
+    kernels at 256+ rows per expert only)."""
+    table = dict(tables[role])
+    for suffix in _GROUPED:
+        if role.endswith(suffix) and role.removesuffix(suffix) in tables:
+            smallest = min(table)
+            plain = tables[role.removesuffix(suffix)]
+            table.update({m: v for m, v in plain.items() if m < smallest})
+    return table
 
 
 def _interp_ep(table: dict[int, float], ep: int) -> float:
@@ -63,7 +77,8 @@ class Efficiency:
 
     gemm_tflops: DeepGEMM's published FP8 TFLOPS on H800 per GEMM role and row count
         (``DEEPGEMM_H800_TFLOPS``), used as a fraction of the FP8 peak for the MLA projections and
-        the expert GEMMs; fewer rows than the table's smallest cost as many as that (weight-bound).
+        the expert GEMMs; grouped kernels below their published rows per expert take the plain
+        GEMM's figures, and fewer rows than 64 cost as many as 64 (bound by reading the weights).
     gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682, for the GEMMs the table does not
         list (MoE gate, dense MLPs of the first layers, LM head), with the HBM roofline.
     attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586.
@@ -187,16 +202,14 @@ class PerfModel:
         self.gpus = dep.gpus(hw)
         self.balance = balance if balance is not None else expert_balance(model, hw, dep)
         # per GEMM role: (log2 rows, achieved FLOP/s on this hardware) from DeepGEMM's H800 table
-        self._gemm_tables = {
-            role: (
-                np.log2(np.array(sorted(table), dtype=np.float64)),
-                np.array([table[m] for m in sorted(table)])
-                / H800_FP8_TFLOPS
-                * hw.fp8_tflops
-                * 1e12,
+        self._gemm_tables = {}
+        for role in eff.gemm_tflops:
+            table = _rows_table(role, eff.gemm_tflops)
+            rows = sorted(table)
+            self._gemm_tables[role] = (
+                np.log2(np.array(rows, dtype=np.float64)),
+                np.array([table[m] for m in rows]) / H800_FP8_TFLOPS * hw.fp8_tflops * 1e12,
             )
-            for role, table in eff.gemm_tflops.items()
-        }
         nic = hw.rdma_gb_per_s / 50.0  # the published kernel figures are for 50 GB/s NICs
         normal, low_latency = eff.rdma_normal_gb_per_s, eff.ll_latency_us_128
         # (dispatch, combine) RDMA bandwidth in bytes/s and low-latency seconds for 128 tokens

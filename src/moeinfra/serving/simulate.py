@@ -307,7 +307,8 @@ def simulate(
             fin = gain >= remaining
             if fin.any():
                 f_idx = a_idx[fin]
-                finish_t[f_idx] = a_from[fin] + remaining[fin] * step[a_unit[fin]]
+                left = remaining[fin]  # 0 for a request whose only token came from prefill
+                finish_t[f_idx] = a_from[fin] + left * np.where(left > 0, step[a_unit[fin]], 0.0)
                 status[f_idx] = COMPLETED
                 done_tokens[f_idx] = outputs[f_idx]
             keep = ~fin
