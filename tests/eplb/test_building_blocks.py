@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moeinfra.eplb.deepseek import replicate_experts
-from moeinfra.eplb.local_search import duplicate_slots, improve_by_swaps
+from moeinfra.eplb.local_search import duplicate_slots, improve_by_swaps, reassign_duplicates
 from moeinfra.eplb.packing import (
     descending_order,
     expand_counts,
@@ -111,3 +111,52 @@ def test_swaps_respect_the_move_budget_and_domains():
     assert moves.sum() <= 6
     # experts 0-15 live on GPUs 0-3 (domain 0), 16-31 on GPUs 4-7: swaps stay inside a domain
     assert ((experts[:, :16] < 16).all()) and ((experts[:, 16:] >= 16).all())
+
+
+def _reassign_reference(phy2log, load, num_gpus, gpus_per_domain):
+    """Each duplicate slot (found up front) goes to the expert of its domain, not on its GPU, that
+    gives the lowest heaviest GPU after recounting replicas, if that is not above the current one."""
+    num_layers, num_replicas = phy2log.shape
+    num_experts = load.shape[1]
+    slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
+    slot_domain = slot_gpu // gpus_per_domain
+
+    def heaviest(experts, weights):
+        counts = np.bincount(experts, minlength=num_experts)
+        return np.bincount(slot_gpu, weights=(weights / np.maximum(counts, 1))[experts]).max()
+
+    for layer, slot in zip(*np.nonzero(duplicate_slots(phy2log, num_gpus)), strict=True):
+        experts = phy2log[layer]
+        gpu_experts = experts[slot_gpu == slot_gpu[slot]]
+        if (gpu_experts == experts[slot]).sum() < 2:
+            continue
+        current = heaviest(experts, load[layer])
+        domain = set(experts[slot_domain == slot_domain[slot]])
+        best, best_load = -1, np.inf
+        for candidate in range(num_experts):
+            if candidate in gpu_experts or candidate not in domain:
+                continue
+            trial = experts.copy()
+            trial[slot] = candidate
+            value = heaviest(trial, load[layer])
+            if value < best_load:
+                best, best_load = candidate, value
+        if best >= 0 and best_load <= current:
+            experts[slot] = best
+
+
+@pytest.mark.parametrize("domain", [None, 2])
+def test_duplicate_reassignment_follows_its_rule(domain):
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        num_gpus, per_gpu = 4, int(rng.integers(2, 5))
+        num_experts = int(rng.integers(per_gpu + 1, num_gpus * per_gpu))
+        phy2log = rng.integers(0, num_experts, size=(3, num_gpus * per_gpu))
+        phy2log[:, :num_experts] = np.arange(num_experts)  # every expert has a replica
+        load = rng.lognormal(0, 1.0, size=(3, num_experts))
+        expected = phy2log.copy()
+        _reassign_reference(expected, load, num_gpus, domain or num_gpus)
+        got = phy2log.copy()
+        moved = reassign_duplicates(got, load, num_gpus, domain)
+        np.testing.assert_array_equal(got, expected)
+        assert moved == int((got != phy2log).sum())

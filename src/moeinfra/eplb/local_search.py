@@ -360,39 +360,79 @@ def reassign_duplicates(
     already in the slot's domain qualify, so expert groups stay on their node. In place; returns how
     many slots were reassigned.
     """
+    flags = duplicate_slots(phy2log, num_gpus)
+    if not flags.any():
+        return 0
+    target = np.ascontiguousarray(phy2log, dtype=np.int64)
+    count = _reassign_rows(
+        target,
+        np.ascontiguousarray(load, dtype=np.float64),
+        num_gpus,
+        gpus_per_domain or num_gpus,
+        flags,
+    )
+    phy2log[...] = target
+    return int(count)
+
+
+@numba.njit(cache=True)
+def _reassign_rows(phy2log, load, num_gpus, gpus_per_domain, flags):
     num_layers, num_replicas = phy2log.shape
     num_experts = load.shape[1]
-    slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
-    slot_domain = slot_gpu // (gpus_per_domain or num_gpus)
+    per_gpu = num_replicas // num_gpus
+    per_domain = per_gpu * gpus_per_domain
+    counts = np.zeros(num_experts, dtype=np.int64)
+    gpu_load = np.zeros(num_gpus)
+    trial = np.zeros(num_gpus)
+    on_gpu = np.zeros(num_experts, dtype=np.bool_)
+    in_domain = np.zeros(num_experts, dtype=np.bool_)
     reassigned = 0
-    for layer, slot in zip(*np.nonzero(duplicate_slots(phy2log, num_gpus)), strict=True):
-        experts = phy2log[layer]
-        counts = np.bincount(experts, minlength=num_experts)
-        if (
-            counts[experts[slot]] < 2
-            or (experts[slot_gpu == slot_gpu[slot]] == experts[slot]).sum() < 2
-        ):
-            continue
-        current = np.bincount(
-            slot_gpu, weights=(load[layer] / counts)[experts], minlength=num_gpus
-        ).max()
-        on_gpu = np.zeros(num_experts, dtype=bool)
-        on_gpu[experts[slot_gpu == slot_gpu[slot]]] = True
-        in_domain = np.zeros(num_experts, dtype=bool)
-        in_domain[experts[slot_domain == slot_domain[slot]]] = True
-        candidates = np.flatnonzero(~on_gpu & in_domain)
-        if candidates.size == 0:
-            continue
-        # Slot loads for every candidate at once: [candidates, R].
-        trial = np.broadcast_to(experts, (candidates.size, num_replicas)).copy()
-        trial[:, slot] = candidates
-        trial_counts = counts[None, :].repeat(candidates.size, axis=0)
-        trial_counts[:, experts[slot]] -= 1
-        trial_counts[np.arange(candidates.size), candidates] += 1
-        per_slot = np.take_along_axis(load[layer] / trial_counts, trial, axis=1)
-        heaviest = per_slot.reshape(candidates.size, num_gpus, -1).sum(axis=2).max(axis=1)
-        best = int(heaviest.argmin())
-        if heaviest[best] <= current:
-            phy2log[layer, slot] = candidates[best]
-            reassigned += 1
+    for layer in range(num_layers):
+        for slot in range(num_replicas):
+            if not flags[layer, slot]:
+                continue
+            experts = phy2log[layer]
+            expert = experts[slot]
+            gpu = slot // per_gpu
+            counts[:] = 0
+            for r in range(num_replicas):
+                counts[experts[r]] += 1
+            copies = 0
+            for r in range(gpu * per_gpu, (gpu + 1) * per_gpu):
+                copies += experts[r] == expert
+            if counts[expert] < 2 or copies < 2:
+                continue
+            current = _heaviest(experts, load[layer], counts, per_gpu, gpu_load)
+            on_gpu[:] = False
+            in_domain[:] = False
+            for r in range(gpu * per_gpu, (gpu + 1) * per_gpu):
+                on_gpu[experts[r]] = True
+            start = (slot // per_domain) * per_domain
+            for r in range(start, start + per_domain):
+                in_domain[experts[r]] = True
+            best, best_load = -1, np.inf
+            for candidate in range(num_experts):
+                if on_gpu[candidate] or not in_domain[candidate]:
+                    continue
+                experts[slot] = candidate
+                counts[expert] -= 1
+                counts[candidate] += 1
+                heaviest = _heaviest(experts, load[layer], counts, per_gpu, trial)
+                counts[expert] += 1
+                counts[candidate] -= 1
+                experts[slot] = expert
+                if heaviest < best_load:
+                    best, best_load = candidate, heaviest
+            if best >= 0 and best_load <= current:
+                experts[slot] = best
+                reassigned += 1
     return reassigned
+
+
+@numba.njit(cache=True, inline="always")
+def _heaviest(experts, load, counts, per_gpu, gpu_load):
+    """Heaviest GPU of one layer, each slot carrying its expert's load over its replica count."""
+    gpu_load[:] = 0.0
+    for r in range(experts.size):
+        gpu_load[r // per_gpu] += load[experts[r]] / counts[experts[r]]
+    return gpu_load.max()
