@@ -59,6 +59,10 @@ class PrefillQueue:
         self.busy = np.zeros(max_units)
         self.lump_allowance = 10.0 * (float(work_s.mean()) if work_s.size else 0.0)
 
+    def reset(self) -> None:
+        """Empty every unit's queue (to run another trial on the same requests)."""
+        self.busy[:] = 0.0
+
     def admit(self, lo: int, hi: int, units: int):
         """Queue requests ``lo..hi-1`` on the first ``units`` units.
 

@@ -6,7 +6,6 @@ cache-hit statistics, the node curve with 18-node decode and 4-node prefill unit
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from moeinfra.serving.specs import (
     deepseek_prefill_unit,
     priced_hardware,
 )
-from moeinfra.serving.unit_cost import PrefillCost, prefill_cost
+from moeinfra.serving.unit_cost import BALANCERS, PrefillCost, prefill_cost
 from moeinfra.serving.workload import Workload, deepseek_day
 
 SCENARIOS = ("deepseek-v3-day",)
@@ -166,16 +165,21 @@ def ttft_prefill_units(
     arrival, work = workload.arrival_s, service.work_s * workload.scale
     bounds = np.searchsorted(arrival, np.arange(span.size + 1) * interval_s)
     bounds[-1] = arrival.size
+    cumulative = np.concatenate([[0.0], np.cumsum(work)])
+    interval_work = cumulative[bounds[1:]] - cumulative[bounds[:-1]]
+    starts = np.maximum(1, np.ceil(interval_work / (span * target)))
+    most = int(max(np.diff(bounds).max(), starts.max()))
+    queue = PrefillQueue(arrival, work, service.min_latency_s, workload.scale, most)
     units = np.ones(span.size, dtype=np.int64)
     for i in np.flatnonzero(np.diff(bounds)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
 
         def meets(count: int, lo=lo, hi=hi) -> bool:
-            queue = PrefillQueue(arrival, work, service.min_latency_s, workload.scale, count)
+            queue.reset()
             idx, _, first, _ = queue.admit(lo, hi, count)
             return float(np.quantile(first - arrival[idx], quantile)) <= slo_ttft_s
 
-        start = max(1, math.ceil(work[lo:hi].sum() / (span[i] * target)))
+        start = int(starts[i])
         if meets(start):
             units[i] = start
             continue
@@ -215,7 +219,7 @@ def build_scenario(
     ``balancer`` (``"deepseek"`` or ``"baseline"``, as in :class:`SimConfig`) is the in-unit
     balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
     preset's price."""
-    if balancer not in ("deepseek", "baseline"):
+    if balancer not in BALANCERS:
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")

@@ -157,7 +157,7 @@ def utilisation_schedule(
     ``block``: ``(prefill units, decode units)`` added or removed together, as many blocks as the
     more demanding phase needs (DeepSeek's node curve moves in 30-node steps: ``(3, 1)``).
     ``prefill_floor``: ``[intervals]`` prefill units needed regardless of utilisation (e.g. for a
-    TTFT SLO, :func:`moeinfra.serving.queueing.servers_for_wait`).
+    TTFT SLO, :func:`moeinfra.serving.scenario.ttft_prefill_units`).
     """
     if block is not None and (len(block) != 2 or min(block) < 1):
         raise InputError(f"block={block!r} must be (prefill units, decode units), both >= 1")
@@ -165,9 +165,9 @@ def utilisation_schedule(
         raise InputError(f"target={target} must be in (0, 1]")
     if interval_s <= 0:
         raise InputError(f"interval_s={interval_s} must be > 0")
-    k = max(1, math.ceil(duration_s / interval_s))
-    slot = np.minimum((arrival_s // interval_s).astype(np.int64), k - 1)
     span = interval_spans(duration_s, interval_s)
+    k = span.size
+    slot = np.minimum((arrival_s // interval_s).astype(np.int64), k - 1)
     prefill = np.bincount(slot, weights=prefill_work_s, minlength=k) / (span * target)
     decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (span * target)
     p = np.maximum(np.ceil(prefill), min_units).astype(np.int64)

@@ -25,7 +25,7 @@ from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, rev
 from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import FleetSchedule
-from moeinfra.serving.unit_cost import prefill_cost
+from moeinfra.serving.unit_cost import BALANCERS, prefill_cost
 from moeinfra.serving.workload import Workload
 
 COMPLETED, RUNNING, REJECTED = 0, 1, 2
@@ -53,7 +53,7 @@ class SimConfig:
             raise InputError(
                 f"tick_s={self.tick_s} must be > 0 and record_every_s={self.record_every_s} >= tick_s"
             )
-        if self.balancer not in ("deepseek", "baseline"):
+        if self.balancer not in BALANCERS:
             raise InputError(f"balancer={self.balancer!r} must be 'deepseek' or 'baseline'")
 
 

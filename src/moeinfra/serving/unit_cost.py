@@ -19,6 +19,9 @@ from moeinfra.serving.balancers import (
 from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.workload import Workload
 
+#: In-unit DP-rank balancers: this package's (``"deepseek"``) or round robin / least requests.
+BALANCERS = ("deepseek", "baseline")
+
 
 @dataclass(frozen=True)
 class PrefillCost:
