@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from moeinfra.errors import InputError
+from moeinfra.moe.rope import Yarn
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class MoEConfig:
         num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
         v_head_dim: MLA sizes (low-rank q and kv compression, decoupled RoPE dims).
         num_layers: decoder blocks in the small model used by the overlap schedules.
-        rope_theta: RoPE base. rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base. rope_scaling: YaRN extension (None: plain RoPE).
+        rope_interleave: RoPE pairs are adjacent dims (DeepSeek's layout) rather than halves.
+        rms_norm_eps: RMSNorm epsilon.
     """
 
     hidden_size: int
@@ -47,6 +50,8 @@ class MoEConfig:
     v_head_dim: int = 128
     num_layers: int = 1
     rope_theta: float = 10000.0
+    rope_scaling: Yarn | None = None
+    rope_interleave: bool = True
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:

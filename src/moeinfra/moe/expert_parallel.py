@@ -12,6 +12,7 @@ between: :meth:`dispatch` -> :meth:`compute_experts` -> :meth:`combine` -> :meth
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,8 @@ from torch import nn
 from moeinfra.eplb import Plan, migration, replica_for_tokens
 from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator, Pending
+from moeinfra.moe.config import MoEConfig
+from moeinfra.moe.gate import Gate
 from moeinfra.moe.layers import Expert, MoE, combine_pairs
 
 
@@ -69,7 +72,40 @@ class ExpertParallelMoE(nn.Module):
         self, reference: MoE, plan: Plan, layer: int = 0, comm: Communicator | None = None
     ) -> None:
         super().__init__()
-        self.config = reference.config
+        self._place(reference.config, plan, layer, comm)
+        self.gate = copy.deepcopy(reference.gate)
+        self.shared = copy.deepcopy(reference.shared)
+        self.experts = nn.ModuleList(
+            copy.deepcopy(reference.experts[e]) for e in self.local_experts()
+        )
+
+    @classmethod
+    def from_experts(
+        cls,
+        config: MoEConfig,
+        gate: Gate,
+        shared: Expert | None,
+        experts: Mapping[int, Expert],
+        plan: Plan,
+        layer: int = 0,
+        comm: Communicator | None = None,
+    ) -> ExpertParallelMoE:
+        """This rank's layer from its own parts only — what a checkpoint loader reads for the rank:
+        ``experts`` maps logical expert id to its module and must hold every expert of the rank's
+        slots (see :func:`rank_experts`); the modules are used as they are (a slot repeating an
+        expert gets a copy)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._place(config, plan, layer, comm)
+        missing = sorted(set(self.local_experts()) - set(experts))
+        if missing:
+            raise InputError(f"experts must hold this rank's experts {missing}")
+        self.gate, self.shared = gate, shared
+        self.experts = nn.ModuleList(_distinct([experts[e] for e in self.local_experts()]))
+        return self
+
+    def _place(self, config: MoEConfig, plan: Plan, layer: int, comm: Communicator | None) -> None:
+        self.config = config
         self.comm = comm or Communicator()
         world = self.comm.world_size
         lay = plan.layout
@@ -90,11 +126,6 @@ class ExpertParallelMoE(nn.Module):
             raise InputError(f"layer={layer} must be in 0..{plan.num_layers - 1}")
         self.plan, self.layer = plan, layer
         self.slots_per_rank = lay.num_replicas // world
-        self.gate = copy.deepcopy(reference.gate)
-        self.shared = copy.deepcopy(reference.shared)
-        self.experts = nn.ModuleList(
-            copy.deepcopy(reference.experts[e]) for e in self.local_experts()
-        )
         self.record_load = False
         self.load_counts = torch.zeros(self.config.num_routed_experts, dtype=torch.int64)
         self._token_offset = self.comm.rank
@@ -243,15 +274,25 @@ class ExpertParallelMoE(nn.Module):
                 module = copy.deepcopy(self.experts[0])
                 _load_flat(module, received[expert])
                 experts.append(module)
-        # A slot may repeat an expert the rank already holds: distinct modules, same weights.
-        seen: set[int] = set()
-        for i, module in enumerate(experts):
-            if id(module) in seen:
-                experts[i] = copy.deepcopy(module)
-            seen.add(id(module))
-        self.experts = nn.ModuleList(experts)
+        self.experts = nn.ModuleList(_distinct(experts))
         self.plan = new_plan
         return len(received)
+
+
+def _distinct(modules: list[Expert]) -> list[Expert]:
+    """A slot may repeat an expert the rank already holds: distinct modules, same weights."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        out.append(copy.deepcopy(module) if id(module) in seen else module)
+        seen.add(id(module))
+    return out
+
+
+def rank_experts(plan: Plan, layer: int, rank: int) -> list[int]:
+    """Logical experts of ``rank``'s slots in ``layer`` (what a loader must read for it)."""
+    slots = plan.layout.num_replicas // plan.layout.num_gpus
+    return sorted({int(e) for e in plan.phy2log[layer, rank * slots : (rank + 1) * slots]})
 
 
 def load_matrix(layers: list[ExpertParallelMoE], all_reduce: bool = True) -> np.ndarray:

@@ -74,11 +74,14 @@ class Gate(nn.Module):
         self.register_buffer("bias", torch.zeros(config.num_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, H]`` -> ``(weights [T, k], indices [T, k])`` (see :func:`route`)."""
+        """``x [T, H]`` -> ``(weights [T, k], indices [T, k])`` (see :func:`route`).
+
+        Logits, scores and weights are float32 whatever the model's dtype (as DeepSeek-V3's
+        reference in ``transformers`` computes them)."""
         c = self.config
         return route(
-            x @ self.weight.t(),
-            self.bias,
+            x.float() @ self.weight.float().t(),
+            self.bias.float(),
             top_k=c.experts_per_token,
             num_groups=c.num_expert_groups,
             groups_per_token=c.groups_per_token,

@@ -1,9 +1,14 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V3, in the plain ("naive") form.
+"""Multi-head latent attention (MLA) of DeepSeek-V3, in the plain ("naive") and the absorbed form.
 
 Queries and keys/values go through low-rank compressions (``q_lora_rank``, ``kv_lora_rank``); each head's
 query/key is split into a no-position part and a decoupled RoPE part (``qk_rope_head_dim``), the RoPE key
 being shared by all heads. Split in two for the decode pipeline: :meth:`MLA.project` (ATTN-0: down/up
 projections and RoPE) and :meth:`MLA.attend` (ATTN-1: core attention and output projection).
+
+The absorbed form (:meth:`MLA.project_latent`, :func:`latent_attention`) is what an inference engine
+caches and attends over: per token only the normalised latent ``c_kv [kv_lora_rank]`` and the rotated
+shared key ``k_pe [qk_rope_head_dim]``; ``wkv_b``'s key half is folded into the query and its value
+half applied after attention, as in DeepSeek's inference code (``attn_impl="absorb"``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from torch import nn
 
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.layers import RMSNorm
+from moeinfra.moe.rope import apply_rope, cos_sin_scale, inverse_frequencies, softmax_scale
+
+# DeepSeek's inference code and transformers give the two latent norms the default epsilon,
+# whatever the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -50,16 +60,16 @@ def positions_of(segments: list[Segment], device: torch.device | None = None) ->
     return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs of the last dim of ``x [T, ..., d]`` by ``positions [T]`` (interleaved pairs)."""
-    d = x.shape[-1]
-    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
-    pairs = x.float().unflatten(-1, (d // 2, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+@dataclass
+class Latent:
+    """ATTN-0 of the absorbed form for ``T`` tokens: ``q_nope [T, heads, qk_nope_head_dim]``,
+    ``q_pe [T, heads, qk_rope_head_dim]`` (rotated), ``kv [T, kv_lora_rank]`` (normalised latent) and
+    ``k_pe [T, qk_rope_head_dim]`` (rotated) — the last two are what a KV cache stores."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv: torch.Tensor
+    k_pe: torch.Tensor
 
 
 class MLA(nn.Module):
@@ -70,24 +80,57 @@ class MLA(nn.Module):
         c = self.config = config
         self.heads = c.num_attention_heads
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
         self.wq_b = nn.Linear(c.q_lora_rank, self.heads * c.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(
             c.kv_lora_rank, self.heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
         self.wo = nn.Linear(self.heads * c.v_head_dim, c.hidden_size, bias=False)
-        self.scale = c.qk_head_dim**-0.5
+        self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
+        self.register_buffer(
+            "inv_freq",
+            inverse_frequencies(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling),
+            persistent=False,
+        )
+        self._cos_sin_scale = cos_sin_scale(c.rope_scaling)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate the RoPE dims ``x [T, ..., qk_rope_head_dim]`` to ``positions [T]``."""
+        return apply_rope(
+            x,
+            positions,
+            self.inv_freq,
+            interleaved=self.config.rope_interleave,
+            scale=self._cos_sin_scale,
+        )
+
+    def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> Latent:
+        """ATTN-0 of the absorbed form: ``x [T, H]`` (normed), ``positions [T]`` -> :class:`Latent`."""
+        c, n = self.config, x.shape[0]
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(n, self.heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return Latent(
+            q_nope, self.rope(q_pe, positions), self.kv_norm(kv), self.rope(k_pe, positions)
+        )
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv_b`` split per head: key half ``[heads, qk_nope_head_dim, kv_lora_rank]`` and value
+        half ``[heads, v_head_dim, kv_lora_rank]``."""
+        c = self.config
+        w = self.wkv_b.weight.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> Projected:
         """ATTN-0: ``x [T, H]`` (normed), ``positions [T]`` -> queries, keys, values."""
         c, n = self.config, x.shape[0]
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(n, self.heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, rope(q_pe, positions, c.rope_theta)], dim=-1)
+        q = torch.cat([q_nope, self.rope(q_pe, positions)], dim=-1)
         kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        k_pe = rope(k_pe.unsqueeze(1), positions, c.rope_theta)
+        k_pe = self.rope(k_pe.unsqueeze(1), positions)
         kv = self.wkv_b(self.kv_norm(kv)).view(n, self.heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, self.heads, -1)], dim=-1)
@@ -122,3 +165,33 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         return self.attend(self.project(x, positions_of(segments, x.device)), segments, KVCache())
+
+
+def latent_attention(
+    mla: MLA,
+    latent: Latent,
+    kv_ctx: torch.Tensor,
+    pe_ctx: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Absorbed MLA attention of ``S`` query groups over their cached contexts -> ``[S, Q, H]``.
+
+    ``latent`` holds ``S * Q`` query tokens (group-major); ``kv_ctx [S, L, kv_lora_rank]`` and
+    ``pe_ctx [S, L, qk_rope_head_dim]`` are each group's cached latents (its own tokens included);
+    ``mask [S, Q, L]`` is True where a query may attend (None: everywhere). Scores are
+    ``q_nope W_uk c_kv + q_pe k_pe`` times the softmax scale; the output is
+    ``wo(softmax @ c_kv W_uv)``.
+    """
+    groups, length = kv_ctx.shape[:2]
+    w_uk, w_uv = mla.absorbed_weights()
+    q_nope = latent.q_nope.unflatten(0, (groups, -1))
+    q_pe = latent.q_pe.unflatten(0, (groups, -1))
+    q_lat = torch.einsum("sqhd,hdc->sqhc", q_nope, w_uk)
+    scores = torch.einsum("sqhc,slc->shql", q_lat, kv_ctx)
+    scores = (scores + torch.einsum("sqhr,slr->shql", q_pe, pe_ctx)) * mla.scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out_lat = torch.einsum("shql,slc->sqhc", probs, kv_ctx)
+    out = torch.einsum("sqhc,hvc->sqhv", out_lat, w_uv).flatten(2)
+    return mla.wo(out)

@@ -109,7 +109,12 @@ class _MicroBatch:
 
 
 class ExpertParallelDecoder(nn.Module):
-    """A :class:`Decoder` whose MoE layers are expert-parallel; ``plan`` has one row per block."""
+    """A :class:`Decoder` whose MoE layers are expert-parallel; ``plan`` has one row per block.
+
+    Any blocks with the :class:`~moeinfra.moe.block.DecoderBlock` stage interface (``attn0``,
+    ``attn1`` taking a per-layer cache) can be run, with their EP layers, via :meth:`from_layers` —
+    the inference engine runs its paged-cache blocks this way.
+    """
 
     def __init__(self, decoder: Decoder, plan: Plan, comm: Communicator | None = None) -> None:
         super().__init__()
@@ -124,6 +129,18 @@ class ExpertParallelDecoder(nn.Module):
             for layer, block in enumerate(decoder.blocks)
         )
 
+    @classmethod
+    def from_layers(
+        cls, blocks: nn.ModuleList, moe: nn.ModuleList, comm: Communicator
+    ) -> ExpertParallelDecoder:
+        """Blocks (attention stages) and their expert-parallel MoE layers, one per block."""
+        if len(blocks) != len(moe):
+            raise InputError(f"{len(blocks)} blocks but {len(moe)} expert-parallel MoE layers")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.comm, self.blocks, self.moe = comm, blocks, moe
+        return self
+
     def apply_plan(self, plan: Plan) -> int:
         """Migrate every layer to ``plan`` (collective); number of experts this rank received."""
         return sum(layer.apply_plan(plan) for layer in self.moe)
@@ -134,14 +151,22 @@ class ExpertParallelDecoder(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, x: torch.Tensor, segments: list[Segment], overlap: str = "none"
+        self,
+        x: torch.Tensor,
+        segments: list[Segment],
+        overlap: str = "none",
+        caches: list | None = None,
     ) -> torch.Tensor:
-        """This rank's tokens ``x [T, H]`` laid out as ``segments`` -> ``[T, H]`` (inference only)."""
+        """This rank's tokens ``x [T, H]`` laid out as ``segments`` -> ``[T, H]`` (inference only).
+
+        ``caches``: one cache per block, passed to the blocks' ``attn1`` (default: a fresh
+        :class:`KVCache` per block, so every segment must start at position 0).
+        """
         if sum(s.length for s in segments) != x.shape[0]:
             raise InputError(
                 f"segments cover {sum(s.length for s in segments)} tokens, x has {x.shape[0]} rows"
             )
-        if any(s.start for s in segments):
+        if caches is None and any(s.start for s in segments):
             raise InputError(
                 "segments must start at position 0 (this runtime has no KV cache of earlier steps); "
                 f"got starts {[s.start for s in segments if s.start]}"
@@ -156,7 +181,8 @@ class ExpertParallelDecoder(nn.Module):
         mbs = [_MicroBatch(x[split.rows[m]], split.segments[m]) for m in range(2)]
         rec = self.comm.recorder
         # One cache per layer, shared by the micro-batches: a split sequence's suffix reads its prefix.
-        caches = [KVCache() for _ in self.blocks]
+        if caches is None:
+            caches = [KVCache() for _ in self.blocks]
         for op in ops:
             mb, layer = mbs[op.micro_batch], op.layer
             block, ep = self.blocks[layer], self.moe[layer]

@@ -1,0 +1,1 @@
+"""Inference engine for DeepSeek-V3-architecture checkpoints (work in progress)."""

@@ -1,0 +1,103 @@
+"""Read tensors of a Hugging Face safetensors checkpoint, memory-mapped, shard by shard.
+
+A checkpoint is ``model.safetensors`` or shards listed by ``model.safetensors.index.json``
+(``weight_map: {tensor name: shard file}``). Only the tensors asked for are read, so a rank reads its
+own experts and nothing else. FP8 weights with a ``weight_scale_inv`` beside them are dequantised.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moeinfra.engine.fp8 import dequantize
+from moeinfra.engine.hf_config import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+
+
+class CheckpointReader:
+    """Tensors of the checkpoint in ``model_dir``, by name.
+
+    Every error names the file and the tensor: a missing shard, a tensor absent from the index,
+    a wrong shape.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+            self.weight_map: dict[str, str] = dict(weight_map)
+        elif (self.model_dir / SINGLE).is_file():
+            self.weight_map = {name: SINGLE for name in self._keys(SINGLE)}
+        else:
+            raise CheckpointError(
+                f"{self.model_dir}: no {INDEX} and no {SINGLE} (safetensors weights are required)"
+            )
+        for shard in sorted(set(self.weight_map.values())):
+            if not (self.model_dir / shard).is_file():
+                tensor = next(n for n, s in self.weight_map.items() if s == shard)
+                raise CheckpointError(
+                    f"{self.model_dir / shard}: shard missing (listed in {INDEX} for {tensor})"
+                )
+        self._open: dict[str, object] = {}
+
+    def _keys(self, shard: str) -> list[str]:
+        return list(self._file(shard).keys())
+
+    def _file(self, shard: str):
+        if shard not in self._open:
+            try:
+                self._open[shard] = safe_open(self.model_dir / shard, framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{self.model_dir / shard}: cannot be read ({exc})") from None
+        return self._open[shard]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _raw(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.model_dir}: tensor {name} is missing from the checkpoint")
+        shard = self.weight_map[name]
+        try:
+            return self._file(shard).get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{self.model_dir / shard}: tensor {name}: {exc}") from None
+
+    def get(
+        self, name: str, shape: tuple[int, ...] | None = None, dtype=torch.float32
+    ) -> torch.Tensor:
+        """Tensor ``name`` as ``dtype`` (FP8 dequantised), checked against ``shape`` when given."""
+        tensor = self._raw(name)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = name + SCALE_SUFFIX
+            if scale not in self.weight_map:
+                raise CheckpointError(
+                    f"{self.model_dir / self.weight_map[name]}: tensor {name} is FP8 but "
+                    f"{scale} is missing"
+                )
+            try:
+                tensor = dequantize(tensor, self._raw(scale), dtype=dtype)
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"{self.model_dir / self.weight_map[name]}: tensor {name}: {exc}"
+                ) from None
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.model_dir / self.weight_map[name]}: tensor {name} has shape "
+                f"{list(tensor.shape)}, the config needs {list(shape)}"
+            )
+        return tensor.to(dtype)

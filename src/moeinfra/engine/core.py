@@ -1,0 +1,325 @@
+"""``EngineCore``: one rank of an engine unit — its requests, KV cache, scheduler, and its part of the
+model (data-parallel attention, expert-parallel MoE).
+
+:meth:`EngineCore.step` is collective over the unit's process group: every rank calls it once per
+engine step, with the same overlap mode, even with no request of its own (its empty batch still
+takes part in every MoE layer's dispatch and combine, as DeepSeek's data-parallel attention must).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moeinfra.engine.checkpoint import CheckpointReader
+from moeinfra.engine.hf_config import ModelConfig, read_config
+from moeinfra.engine.kv_blocks import BlockManager
+from moeinfra.engine.kv_cache import PagedKVCache, StepCache
+from moeinfra.engine.registry import architecture
+from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
+from moeinfra.engine.scheduler import Scheduler
+from moeinfra.engine.sequence import Sequence, Status
+from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
+from moeinfra.eplb import Plan, rebalance
+from moeinfra.errors import InputError
+from moeinfra.moe.comm import Communicator
+from moeinfra.moe.expert_parallel import load_matrix
+from moeinfra.moe.mla import Segment
+
+OVERLAPS = ("auto", "none", "prefill", "decode")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of a unit (the same on every rank).
+
+    ``num_kv_blocks``: KV blocks per rank (``block_size`` tokens each). ``redundant_experts``:
+    physical expert slots beyond one per expert, placed by EPLB. ``eplb_interval``: rebalance every
+    this many steps from the expert loads of the last ``eplb_window`` steps (None: never).
+    ``overlap``: dual micro-batch schedule of the MoE layers — ``auto`` (prefill schedule when the
+    step has prompt tokens, decode pipeline otherwise; ``none`` on one rank), or fixed.
+    """
+
+    block_size: int = 64
+    num_kv_blocks: int = 512
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    dtype: str = "float32"
+    redundant_experts: int = 0
+    eplb_interval: int | None = None
+    eplb_window: int = 64
+    overlap: str = "auto"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InputError(f"dtype={self.dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
+        if self.overlap not in OVERLAPS:
+            raise InputError(
+                f"overlap={self.overlap!r} is not allowed; use one of {', '.join(OVERLAPS)}"
+            )
+        if self.redundant_experts < 0:
+            raise InputError(f"redundant_experts={self.redundant_experts} must be >= 0")
+        if self.eplb_interval is not None and self.eplb_interval < 1:
+            raise InputError(f"eplb_interval={self.eplb_interval} must be >= 1 (or None)")
+        if self.eplb_window < 1:
+            raise InputError(f"eplb_window={self.eplb_window} must be >= 1")
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: its new tokens and text, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    """One rank of a unit of ``comm.world_size`` ranks serving the checkpoint in ``model_dir``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: EngineConfig | None = None,
+        comm: Communicator | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.comm = comm or Communicator()
+        model_dir = Path(model_dir)
+        raw = read_config(model_dir)
+        self.arch = architecture(raw["model_type"], str(model_dir / "config.json"))
+        self.model_config: ModelConfig = self.arch.parse_config(raw, str(model_dir / "config.json"))
+        self.tokenizer = tokenizer or Tokenizer(model_dir)
+        self.plan = self._initial_plan()
+        dtype = DTYPES[self.config.dtype]
+        self.model = self.arch.load(
+            CheckpointReader(model_dir), self.model_config, self.plan, self.comm, dtype
+        )
+        self.model.eval()
+        layout = self.arch.kv_layout(self.model_config, dtype)
+        self.cache = PagedKVCache(layout, self.config.num_kv_blocks, self.config.block_size)
+        self.blocks = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._detok: dict[str, DetokenizeStream] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+        self.rebalances = 0
+        self.load_window: deque[np.ndarray] = deque(maxlen=self.config.eplb_window)
+        for layer in self.model.moe:
+            layer.record_load = True
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    # ------------------------------------------------------------------ placement
+    def _initial_plan(self) -> Plan:
+        mc, world = self.model_config, self.comm.world_size
+        experts = mc.block.num_routed_experts
+        slots = experts + self.config.redundant_experts
+        if slots % world:
+            raise InputError(
+                f"redundant_experts={self.config.redundant_experts}: {experts} experts + redundant "
+                f"must be a multiple of ranks={world}"
+            )
+        load = np.ones((max(mc.num_moe_layers, 1), experts))
+        groups = mc.block.num_expert_groups
+        return rebalance(load[: mc.num_moe_layers], slots, groups, 1, world)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request of this rank (``prompt_ids`` already tokenised)."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InputError(f"request_id={request_id!r} is already running")
+        if not prompt_ids:
+            raise InputError("prompt must have at least one token")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InputError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(prompt_ids) >= self.model_config.max_position_embeddings:
+            raise InputError(
+                f"prompt has {len(prompt_ids)} tokens, the model's context is "
+                f"{self.model_config.max_position_embeddings}"
+            )
+        seq = Sequence(
+            next(self._ids),
+            request_id,
+            list(prompt_ids),
+            params,
+            generator=request_generator(params.seed),
+            stop_checker=StopChecker(params.stop, params.include_stop_str_in_output)
+            if params.stop
+            else None,
+        )
+        self.requests[request_id] = seq
+        self._detok[request_id] = DetokenizeStream(self.tokenizer)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request now and free its blocks; None if it is not (any more) on this rank."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, [], "")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def has_prefill(self) -> bool:
+        """A request of this rank still has prompt (or recompute) tokens to run."""
+        return any(s.num_tokens - s.num_computed > 1 for s in self.scheduler.running) or bool(
+            self.scheduler.waiting
+        )
+
+    # ------------------------------------------------------------------ the step
+    def overlap_mode(self, any_prefill: bool) -> str:
+        if self.config.overlap != "auto":
+            return self.config.overlap
+        if self.comm.world_size == 1:
+            return "none"
+        return "prefill" if any_prefill else "decode"
+
+    @torch.no_grad()
+    def step(self, overlap: str | None = None) -> list[StepOutput]:
+        """Run one engine step (collective on the unit); outputs of the requests it advanced."""
+        scheduled, rejected = self.scheduler.schedule()
+        outputs = []
+        for seq in rejected:
+            self._finish(seq, "length")
+            outputs.append(self._output(seq, [], ""))
+        if overlap is None:
+            overlap = self.overlap_mode(any(c.length > 1 for c in scheduled))
+        segments = [Segment(c.seq.seq_id, c.start, c.length) for c in scheduled]
+        ids = [t for c in scheduled for t in c.seq.token_ids[c.start : c.start + c.length]]
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        slots = {
+            c.seq.seq_id: StepCache.slots_of(
+                self.blocks.block_table(c.seq.seq_id), self.blocks.block_size
+            )
+            for c in scheduled
+        }
+        hidden = self.model(input_ids, segments, StepCache(self.cache, slots), overlap)
+        self.steps += 1
+        if self.config.eplb_interval is not None:
+            self.load_window.append(load_matrix(list(self.model.moe), all_reduce=False))
+            if self.steps % self.config.eplb_interval == 0:
+                self.rebalance()
+        ends = np.cumsum([c.length for c in scheduled]) - 1
+        sampling = [(c, int(end)) for c, end in zip(scheduled, ends, strict=True) if c.samples]
+        for c in scheduled:
+            c.seq.num_computed = c.start + c.length
+            if self.config.enable_prefix_caching:
+                self.blocks.mark_computed(c.seq.seq_id, c.seq.token_ids, c.seq.num_computed)
+        if not sampling:
+            return outputs
+        logits = self.model.logits(hidden[[row for _, row in sampling]])
+        self._mask_early_stop(logits, [c.seq for c, _ in sampling])
+        seqs = [c.seq for c, _ in sampling]
+        tokens = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            [len(s.output_ids) for s in seqs],
+        ).tolist()
+        for (c, _), token in zip(sampling, tokens, strict=True):
+            outputs.append(self._append(c.seq, token))
+        return outputs
+
+    def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule)."""
+        for row, seq in enumerate(seqs):
+            if len(seq.output_ids) < seq.params.min_tokens:
+                banned = set(seq.params.stop_token_ids or ())
+                if not seq.params.ignore_eos:
+                    banned |= self.eos_token_ids
+                ids = [t for t in banned if t < logits.shape[1]]
+                logits[row, ids] = float("-inf")
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.output_ids.append(token)
+        params = seq.params
+        new_text = self._detok[seq.request_id].push([token])
+        full = self._detok[seq.request_id].text
+        reason = None
+        if token in (params.stop_token_ids or ()):
+            reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        if seq.stop_checker is not None:
+            shown, stopped = seq.stop_checker.check(full)
+            new_text = shown[len(seq.text) :]
+            if stopped and reason is None:
+                reason = "stop"
+                seq.stop_reason = min(
+                    (s for s in params.stop if s in full), key=full.index, default=None
+                )
+            seq.text = shown
+        else:
+            seq.text += new_text
+        if (
+            reason is None
+            and params.max_tokens is not None
+            and len(seq.output_ids) >= params.max_tokens
+        ):
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.model_config.max_position_embeddings:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token], new_text)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        self.requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> StepOutput:
+        return StepOutput(
+            seq.request_id,
+            new_ids,
+            new_text,
+            seq.status is Status.FINISHED,
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.prompt_ids,
+            seq.num_cached,
+        )
+
+    # ------------------------------------------------------------------ expert rebalancing
+    def rebalance(self) -> int:
+        """Re-place experts from the loads of the last ``eplb_window`` steps (summed over ranks)
+        and migrate their weights live (collective). Returns the expert tensors this rank received."""
+        load = np.sum(list(self.load_window), axis=0)
+        if self.comm.distributed and self.comm.world_size > 1:
+            t = torch.from_numpy(load.astype(np.int64))
+            dist.all_reduce(t, group=self.comm.group)
+            load = t.numpy()
+        lay = self.plan.layout
+        plan = rebalance(load, lay.num_replicas, lay.num_groups, lay.num_nodes, lay.num_gpus)
+        received = self.model.decoder.apply_plan(plan)
+        self.plan = self.model.plan = plan
+        self.rebalances += 1
+        return received

@@ -1,0 +1,146 @@
+"""Read a Hugging Face ``config.json`` of a DeepSeek-V3-architecture checkpoint."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeinfra.errors import InputError
+from moeinfra.moe.config import MoEConfig
+from moeinfra.moe.rope import Yarn
+
+
+class CheckpointError(InputError):
+    """A checkpoint folder cannot be used; the message names the file (and tensor)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from ``config.json``.
+
+    ``block`` holds the sizes of one decoder block (MLA + MoE) in :mod:`moeinfra.moe`'s terms;
+    ``num_layers`` is ``num_hidden_layers`` (the MTP layers after them are not loaded);
+    ``first_k_dense_replace`` layers have a dense SwiGLU MLP of ``intermediate_size`` instead of MoE.
+    """
+
+    model_type: str
+    block: MoEConfig
+    vocab_size: int
+    num_layers: int
+    first_k_dense_replace: int
+    intermediate_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    num_mtp_layers: int
+    quantization: dict | None
+    torch_dtype: str
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.block.kv_lora_rank + self.block.qk_rope_head_dim
+
+
+def _rope_scaling(raw: dict) -> tuple[float, Yarn | None]:
+    """``(rope_theta, yarn)`` from either the classic keys or transformers 5's ``rope_parameters``."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise CheckpointError(
+            f"config.json: rope_scaling type {kind!r} is not supported; use 'yarn' or none"
+        )
+    return theta, Yarn.from_hf(scaling)
+
+
+def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
+    """A :class:`ModelConfig` from the parsed ``config.json`` dict; ``source`` names it in errors."""
+    try:
+        if raw.get("q_lora_rank") is None:
+            raise CheckpointError(
+                f"{source}: q_lora_rank=None (no query compression) is not supported"
+            )
+        theta, yarn = _rope_scaling(raw)
+        block = MoEConfig(
+            hidden_size=int(raw["hidden_size"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            num_routed_experts=int(raw["n_routed_experts"]),
+            num_shared_experts=int(raw.get("n_shared_experts") or 0),
+            experts_per_token=int(raw["num_experts_per_tok"]),
+            num_expert_groups=int(raw.get("n_group") or 1),
+            groups_per_token=int(raw.get("topk_group") or 1),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            scoring=raw.get("scoring_func", "sigmoid"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            q_lora_rank=int(raw["q_lora_rank"]),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            rope_theta=theta,
+            rope_scaling=yarn,
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        )
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        config = ModelConfig(
+            model_type=raw["model_type"],
+            block=block,
+            vocab_size=int(raw["vocab_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            intermediate_size=int(raw["intermediate_size"]),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
+            quantization=raw.get("quantization_config"),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: required key {exc.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{source}: {exc}") from None
+    if not 0 <= config.first_k_dense_replace <= config.num_layers:
+        raise CheckpointError(
+            f"{source}: first_k_dense_replace={config.first_k_dense_replace} must be in "
+            f"0..num_hidden_layers={config.num_layers}"
+        )
+    if config.quantization and config.quantization.get("quant_method") != "fp8":
+        raise CheckpointError(
+            f"{source}: quantization_config.quant_method="
+            f"{config.quantization.get('quant_method')!r} is not supported; use 'fp8' or none"
+        )
+    return config
+
+
+def read_config(model_dir: Path) -> dict:
+    """The parsed ``config.json`` of ``model_dir`` (raises :class:`CheckpointError` naming it)."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"model={str(model_dir)!r} is not a folder")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a Hugging Face checkpoint folder has config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if "model_type" not in raw:
+        raise CheckpointError(f"{path}: required key 'model_type' is missing")
+    return raw

@@ -1,0 +1,103 @@
+"""The paged KV cache's memory: one tensor of cache slots per layer, and one step's view of it.
+
+What a slot holds is the architecture's :class:`KVLayout` (DeepSeek-V3: the MLA latent, ``kv_lora_rank +
+qk_rope_head_dim`` values per token per layer — not per-head keys and values). Which slots a sequence
+owns is :class:`~moeinfra.engine.kv_blocks.BlockManager`'s bookkeeping; a step hands the model a
+:class:`StepCache` mapping each running sequence to the slots of its positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeinfra.errors import InputError
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-token, per-layer cache contents of an architecture: named widths (values) and dtype."""
+
+    parts: tuple[tuple[str, int], ...]
+    num_layers: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def values_per_token(self) -> int:
+        """Values cached per token per layer."""
+        return sum(width for _, width in self.parts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of cache per token over all layers."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return self.values_per_token * self.num_layers * itemsize
+
+
+class PagedKVCache:
+    """``num_blocks * block_size`` slots per layer of ``layout``: ``data [layers, slots, values]``."""
+
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, block_size: int, device: str = "cpu"
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise InputError(
+                f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1"
+            )
+        self.layout, self.num_blocks, self.block_size = layout, num_blocks, block_size
+        self.data = torch.zeros(
+            layout.num_layers,
+            num_blocks * block_size,
+            layout.values_per_token,
+            dtype=layout.dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def part(self, layer: int, name: str) -> torch.Tensor:
+        """``[slots, width]`` view of one named part of ``layer``."""
+        start = 0
+        for part, width in self.layout.parts:
+            if part == name:
+                return self.data[layer, :, start : start + width]
+            start += width
+        raise InputError(f"part={name!r} is not one of {[p for p, _ in self.layout.parts]}")
+
+
+@dataclass
+class StepCache:
+    """One step's view: ``slots[seq]`` is the ``[capacity]`` int64 cache slot of each position of
+    sequence ``seq`` (from its block table)."""
+
+    cache: PagedKVCache
+    slots: dict[int, torch.Tensor]
+
+    def layer(self, layer: int) -> LayerCache:
+        return LayerCache(self, layer)
+
+    @staticmethod
+    def slots_of(block_table: list[int], block_size: int) -> torch.Tensor:
+        blocks = torch.tensor(block_table, dtype=torch.int64)
+        return (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+
+
+@dataclass
+class LayerCache:
+    """What one layer's attention reads and writes in a step."""
+
+    step: StepCache
+    index: int
+
+    def part(self, name: str) -> torch.Tensor:
+        return self.step.cache.part(self.index, name)
+
+    def positions(self, seq: int, start: int, end: int) -> torch.Tensor:
+        """``[end - start]`` slots of positions ``start .. end-1`` of ``seq``."""
+        slots = self.step.slots[seq]
+        if end > slots.numel():
+            raise InputError(f"sequence {seq} has {slots.numel()} cache slots, needs {end}")
+        return slots[start:end]

@@ -1,0 +1,290 @@
+"""``LLM``: the offline API in vLLM's shape — ``LLM(model, ranks).generate(prompts, params)``.
+
+``ranks=1`` runs the engine in this process. ``ranks=R > 1`` spawns ``R`` ranks on
+``torch.distributed`` (gloo on a free local port) that form one unit: data-parallel attention (each
+prompt goes to the rank with the fewest outstanding tokens and lives there), expert-parallel MoE.
+Inside a ``torchrun`` job (the default process group already initialised), every rank creates its
+``LLM`` with the same arguments and calls ``generate`` with the same prompts; each rank runs every
+``world``-th prompt and every rank returns all results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+from moeinfra.engine.sampling import SamplingParams
+from moeinfra.engine.tiny import default_model
+from moeinfra.engine.tokenizer import Tokenizer
+from moeinfra.engine.worker import run_steps, worker_main
+from moeinfra.errors import InputError
+from moeinfra.moe.comm import Communicator
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """An engine unit serving the checkpoint in ``model`` (default: the built-in tiny one).
+
+    Args:
+        model: Hugging Face checkpoint folder (``config.json``, safetensors, tokenizer).
+        ranks: ranks of the unit (spawned processes when > 1); None inside ``torchrun``: the job's.
+        engine options: see :class:`~moeinfra.engine.core.EngineConfig` (``block_size``,
+            ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``,
+            ``redundant_experts``, ``eplb_interval``, ``eplb_window``, ``overlap``,
+            ``enable_prefix_caching``).
+        comm_delay_s: injected delay per all-to-all payload (to study overlap on one machine).
+        timeout_s: a spawned unit that starts or answers slower than this is an error (no hang).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        ranks: int | None = 1,
+        *,
+        comm_delay_s: float = 0.0,
+        timeout_s: float = 300.0,
+        **engine_options,
+    ) -> None:
+        self.model_dir = Path(model) if model is not None else default_model()
+        self.config = EngineConfig(**engine_options)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.timeout_s = timeout_s
+        self._ids = itertools.count()
+        self._procs: list = []
+        self._core: EngineCore | None = None
+        external = ranks is None and dist.is_available() and dist.is_initialized()
+        if ranks is None and not external:
+            ranks = 1
+        if external:
+            self.ranks = dist.get_world_size()
+            self._core = EngineCore(
+                self.model_dir, self.config, Communicator(delay_s=comm_delay_s), self.tokenizer
+            )
+        elif not isinstance(ranks, int) or ranks < 1:
+            raise InputError(f"ranks={ranks!r} must be a positive integer")
+        elif ranks == 1:
+            self.ranks = 1
+            self._core = EngineCore(self.model_dir, self.config, tokenizer=self.tokenizer)
+        else:
+            self.ranks = ranks
+            self._spawn(ranks, comm_delay_s)
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, ranks: int, comm_delay_s: float) -> None:
+        import torch.multiprocessing as mp
+
+        from moeinfra.moe.launch import free_port
+
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(ranks)]
+        init = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(ranks):
+            proc = ctx.Process(
+                target=worker_main,
+                args=(
+                    rank,
+                    ranks,
+                    init,
+                    str(self.model_dir),
+                    self.config,
+                    comm_delay_s,
+                    self._inboxes[rank],
+                    self._outbox,
+                    max(30.0, self.timeout_s),
+                ),
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+        ready = 0
+        while ready < ranks:
+            message = self._receive()
+            if message[0] == "ready":
+                ready += 1
+
+    def _receive(self):
+        import queue
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                message = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.shutdown()
+                    what = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s} s"
+                    raise RuntimeError(f"engine unit failed: {what}") from None
+                continue
+            if message[0] == "error":
+                self.shutdown()
+                raise RuntimeError(f"engine rank {message[1]} failed:\n{message[2]}")
+            return message
+
+    def shutdown(self) -> None:
+        """Stop the unit's ranks (idempotent)."""
+        for inbox in getattr(self, "_inboxes", []):
+            inbox.put(("shutdown",))
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
+        self._inboxes = []
+        if self._core is not None:
+            self._core.comm.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ generation
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InputError(
+            "prompts must be strings, token-id lists or {'prompt_token_ids': [...]} dicts; "
+            f"got {type(prompt).__name__}"
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one :class:`RequestOutput` per prompt, in prompt order."""
+        single = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        items = [prompts] if single else list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise InputError(
+                    f"sampling_params has {len(params)} entries for {len(items)} prompts"
+                )
+        encoded = [self._prompt_ids(p) for p in items]
+        ids = [f"req-{next(self._ids)}" for _ in items]
+        results = {
+            rid: RequestOutput(rid, text, pids, [CompletionOutput(0, "", [])])
+            for rid, (text, pids) in zip(ids, encoded, strict=True)
+        }
+        bar = _progress(len(items), use_tqdm)
+        try:
+            if self._procs:
+                self._run_spawned(ids, encoded, params, results, bar)
+            else:
+                self._run_local(ids, encoded, params, results, bar)
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt": self.tokenizer.apply_chat_template(c),
+                "prompt_token_ids": self.tokenizer.encode_chat(c),
+            }
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_local(self, ids, encoded, params, results, bar) -> None:
+        core = self._core
+        world, rank = core.comm.world_size, core.comm.rank
+        for i, (rid, (_, pids), p) in enumerate(zip(ids, encoded, params, strict=True)):
+            if i % world == rank:
+                core.add_request(rid, pids, p)
+        for outputs in run_steps(core):
+            for out in outputs:
+                _apply(results[out.request_id], out, bar)
+        if world > 1:
+            gathered: list = [None] * world
+            mine = {rid: results[rid] for i, rid in enumerate(ids) if i % world == rank}
+            dist.all_gather_object(gathered, mine, group=core.comm.group)
+            for part in gathered:
+                results.update(part)
+
+    def _run_spawned(self, ids, encoded, params, results, bar) -> None:
+        outstanding = [0] * self.ranks  # tokens to prefill and decode per rank
+        owner = {}
+        for rid, (_, pids), p in zip(ids, encoded, params, strict=True):
+            rank = min(range(self.ranks), key=lambda r: (outstanding[r], r))
+            outstanding[rank] += len(pids) + (p.max_tokens or 0)
+            owner[rid] = rank
+            self._inboxes[rank].put(("add", rid, pids, p))
+        left = len(ids)
+        while left:
+            message = self._receive()
+            if message[0] != "out":
+                continue
+            for out in message[2]:
+                if _apply(results[out.request_id], out, bar):
+                    left -= 1
+
+    def rebalance(self) -> None:
+        """Ask a spawned unit to re-place its experts from recent loads before its next step."""
+        if self._procs:
+            for inbox in self._inboxes:
+                inbox.put(("rebalance",))
+        elif self._core is not None:
+            self._core.rebalance()
+
+
+def _apply(result: RequestOutput, out: StepOutput, bar) -> bool:
+    """Fold one step's output into the request's result; True when it just finished."""
+    completion = result.outputs[0]
+    completion.token_ids.extend(out.new_token_ids)
+    completion.text += out.new_text
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.finished and not result.finished:
+        result.finished = True
+        result.outputs[0] = replace(
+            completion, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+        )
+        bar.update(1)
+        return True
+    return False
+
+
+def _progress(total: int, enabled: bool):
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc="generate",
+        unit="req",
+        disable=not enabled or not sys.stderr.isatty() or total < 2,
+    )

@@ -1,0 +1,1 @@
+"""One module per model architecture (see :mod:`moeinfra.engine.registry`)."""

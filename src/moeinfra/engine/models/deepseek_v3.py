@@ -1,0 +1,210 @@
+"""DeepSeek-V3 (``model_type: deepseek_v3``): embedding, ``first_k_dense_replace`` dense layers, MoE
+layers, final norm and LM head, built from :mod:`moeinfra.moe`'s MLA, gate, experts and expert-parallel
+runtime, with attention over the paged MLA latent cache.
+
+Checkpoint names are Hugging Face's (``model.layers.{i}.self_attn.q_a_proj.weight``,
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...). The multi-token-prediction layers that
+DeepSeek-V3 ships after the last decoder layer (``model.layers.{num_hidden_layers}.*``) are not loaded:
+the engine decodes one token per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeinfra.engine.attention import mla_layout, paged_mla_attention
+from moeinfra.engine.checkpoint import CheckpointReader
+from moeinfra.engine.hf_config import ModelConfig, parse_config
+from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
+from moeinfra.eplb import Plan
+from moeinfra.moe.block import finish
+from moeinfra.moe.comm import Communicator
+from moeinfra.moe.config import MoEConfig
+from moeinfra.moe.expert_parallel import ExpertParallelMoE, rank_experts
+from moeinfra.moe.gate import Gate
+from moeinfra.moe.layers import Expert, RMSNorm
+from moeinfra.moe.mla import MLA, Segment, positions_of
+from moeinfra.moe.runtime import ExpertParallelDecoder
+
+MODEL_TYPE = "deepseek_v3"
+
+# Hugging Face name (under model.layers.{i}.) -> (module path in a block, parameter)
+_ATTENTION = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "moe_norm.weight",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.wkv_a.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+}
+_SWIGLU = {
+    "gate_proj.weight": "w1.weight",
+    "up_proj.weight": "w3.weight",
+    "down_proj.weight": "w2.weight",
+}
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = MLA(config)
+        self.moe_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def attention(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache):
+        latent = self.attn.project_latent(self.attn_norm(x), positions_of(segments, x.device))
+        return x + paged_mla_attention(self.attn, latent, segments, cache)
+
+
+class DenseBlock(_AttentionBlock):
+    """A leading dense layer: MLA + a SwiGLU MLP of ``intermediate_size``."""
+
+    def __init__(self, config: MoEConfig, intermediate_size: int) -> None:
+        super().__init__(config)
+        self.mlp = Expert(config.hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache) -> torch.Tensor:
+        h = self.attention(x, segments, cache)
+        return finish(h, self.mlp(self.moe_norm(h)))
+
+
+class MoEBlock(_AttentionBlock):
+    """An MoE layer's attention stages, in the interface the expert-parallel runtime schedules."""
+
+    def __init__(self, config: MoEConfig, gate: Gate) -> None:
+        super().__init__(config)
+        self.gate = gate  # the same module as the expert-parallel layer's
+
+    def attn0(self, x: torch.Tensor, segments: list[Segment]):
+        return self.attn.project_latent(self.attn_norm(x), positions_of(segments, x.device))
+
+    def attn1(self, x: torch.Tensor, latent, segments: list[Segment], cache: LayerCache):
+        h = x + paged_mla_attention(self.attn, latent, segments, cache)
+        hn = self.moe_norm(h)
+        weights, indices = self.gate(hn)
+        return h, hn, weights, indices
+
+
+class DeepseekV3(nn.Module):
+    """This rank's DeepSeek-V3: every dense weight, and the routed experts of its EP slots."""
+
+    def __init__(
+        self, config: ModelConfig, plan: Plan, comm: Communicator, experts: nn.ModuleList
+    ) -> None:
+        super().__init__()
+        c, block = config, config.block
+        self.config = config
+        self.embed = nn.Embedding(c.vocab_size, block.hidden_size)
+        self.dense = nn.ModuleList(
+            DenseBlock(block, c.intermediate_size) for _ in range(c.first_k_dense_replace)
+        )
+        self.moe_blocks = nn.ModuleList(MoEBlock(block, layer.gate) for layer in experts)
+        self.moe = experts
+        self.decoder = ExpertParallelDecoder.from_layers(self.moe_blocks, self.moe, comm)
+        self.norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
+        self.lm_head = nn.Linear(block.hidden_size, c.vocab_size, bias=False)
+        self.plan = plan
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, segments: list[Segment], cache: StepCache, overlap: str
+    ) -> torch.Tensor:
+        """``input_ids [T]`` laid out as ``segments`` -> final hidden states ``[T, H]`` (normed)."""
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.dense):
+            x = block(x, segments, cache.layer(i))
+        if len(self.moe_blocks):
+            first = len(self.dense)
+            caches = [cache.layer(first + j) for j in range(len(self.moe_blocks))]
+            x = self.decoder(x, segments, overlap, caches)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` -> float32 logits ``[N, vocab]``."""
+        return self.lm_head(hidden).float()
+
+
+def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
+    return mla_layout(config.block, config.num_layers, dtype)
+
+
+def _load_module(module: nn.Module, reader: CheckpointReader, names: dict[str, str], prefix: str):
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+    for hf_name, ours in names.items():
+        target = params[ours]
+        with torch.no_grad():
+            target.copy_(reader.get(prefix + hf_name, tuple(target.shape), target.dtype))
+
+
+def _expert(block: MoEConfig, size: int, reader, prefix: str, dtype) -> Expert:
+    module = Expert(block.hidden_size, size).to(dtype)
+    _load_module(module, reader, _SWIGLU, prefix)
+    return module
+
+
+def load(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    plan: Plan,
+    comm: Communicator,
+    dtype: torch.dtype = torch.float32,
+) -> DeepseekV3:
+    """Build this rank's model from ``reader``: only the routed experts ``plan`` gives the rank."""
+    block = config.block
+    if plan.num_layers != config.num_moe_layers:
+        raise ValueError(
+            f"plan has {plan.num_layers} layers, the model has {config.num_moe_layers} MoE layers"
+        )
+    moe_layers = nn.ModuleList()
+    for j in range(config.num_moe_layers):
+        prefix = f"model.layers.{config.first_k_dense_replace + j}.mlp."
+        gate = Gate(block).to(dtype)
+        _load_module(
+            gate, reader, {"gate.weight": "weight", "gate.e_score_correction_bias": "bias"}, prefix
+        )
+        shared = (
+            _expert(
+                block,
+                block.num_shared_experts * block.moe_intermediate_size,
+                reader,
+                prefix + "shared_experts.",
+                dtype,
+            )
+            if block.num_shared_experts
+            else None
+        )
+        experts = {
+            e: _expert(block, block.moe_intermediate_size, reader, f"{prefix}experts.{e}.", dtype)
+            for e in rank_experts(plan, j, comm.rank)
+        }
+        moe_layers.append(
+            ExpertParallelMoE.from_experts(block, gate, shared, experts, plan, j, comm)
+        )
+    model = DeepseekV3(config, plan, comm, moe_layers).to(dtype)
+    for i, dense in enumerate(model.dense):
+        names = dict(_ATTENTION) | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
+        _load_module(dense, reader, names, f"model.layers.{i}.")
+    for j, moe_block in enumerate(model.moe_blocks):
+        _load_module(
+            moe_block, reader, _ATTENTION, f"model.layers.{config.first_k_dense_replace + j}."
+        )
+    _load_module(
+        model,
+        reader,
+        {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"},
+        "",
+    )
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    else:
+        _load_module(model, reader, {"lm_head.weight": "lm_head.weight"}, "")
+    return model
+
+
+__all__ = ["MODEL_TYPE", "DeepseekV3", "kv_layout", "load", "parse_config"]

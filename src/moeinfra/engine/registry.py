@@ -1,0 +1,68 @@
+"""Model architectures by ``config.json``'s ``model_type`` (as vLLM keeps them).
+
+An :class:`Architecture` says how to read the config, what one token's KV cache holds, and how to
+build one rank's model from a checkpoint. ``deepseek_v3`` is built in; ``deepseek_v32`` (sparse
+attention with an indexer) and ``deepseek_v4`` (mixed sliding/compressed attention) plug in with their
+own attention and :class:`~moeinfra.engine.kv_cache.KVLayout` through :func:`register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeinfra.engine.hf_config import CheckpointError, ModelConfig
+from moeinfra.engine.kv_cache import KVLayout
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype) -> KVLayout``;
+    ``load(reader, config, plan, comm, dtype) -> model`` (see :mod:`.models.deepseek_v3`)."""
+
+    model_type: str
+    hf_architecture: str
+    parse_config: Callable[[dict, str], ModelConfig]
+    kv_layout: Callable[[ModelConfig, torch.dtype], KVLayout]
+    load: Callable
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(architecture: Architecture) -> None:
+    """Make ``architecture`` loadable by its ``model_type``."""
+    _REGISTRY[architecture.model_type] = architecture
+
+
+def _builtin() -> None:
+    from moeinfra.engine.models import deepseek_v3
+
+    register(
+        Architecture(
+            deepseek_v3.MODEL_TYPE,
+            "DeepseekV3ForCausalLM",
+            deepseek_v3.parse_config,
+            deepseek_v3.kv_layout,
+            deepseek_v3.load,
+        )
+    )
+
+
+def architecture(model_type: str, source: str = "config.json") -> Architecture:
+    """The registered architecture of ``model_type``; a :class:`CheckpointError` names the others."""
+    if not _REGISTRY:
+        _builtin()
+    if model_type not in _REGISTRY:
+        raise CheckpointError(
+            f"{source}: model_type={model_type!r} is not supported; use one of {sorted(_REGISTRY)}"
+        )
+    return _REGISTRY[model_type]
+
+
+def supported_model_types() -> list[str]:
+    if not _REGISTRY:
+        _builtin()
+    return sorted(_REGISTRY)

@@ -1,0 +1,241 @@
+"""Token sampling: per-request parameters, a batched sampler, and stop strings in streamed text.
+
+:class:`SamplingParams` follows vLLM's names and defaults. :func:`sample` draws one token per batch
+row. A seeded request's tokens depend only on its seed, its logits and how many tokens it has
+generated, never on the rest of the batch or its row index. :class:`StopChecker` decides how much of
+a request's decoded text can be shown while it streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moeinfra.errors import InputError
+
+# Temperatures below this count as greedy, as in vLLM: dividing logits by them overflows.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+def _checked(
+    name: str, value: object, cast: type, ok: Callable[[float], bool], allowed: str
+) -> int | float:
+    """``cast(value)`` if ``value`` is an int (``cast is int``) or real number and ``ok`` of it."""
+    kind = numbers.Integral if cast is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not ok(cast(value)):
+        raise InputError(f"{name}={value!r} must be {allowed}")
+    return cast(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request (vLLM's ``SamplingParams`` fields of the same names).
+
+    ``temperature`` 0 (below 1e-5) or ``top_k`` 1 means greedy; ``top_k`` 0 or -1 and ``top_p`` 1
+    switch those filters off. ``max_tokens`` None means until a stop or the context length.
+    ``stop`` (a str or a list of them) and ``stop_token_ids`` are stored as tuples, so instances are
+    hashable and picklable. ``seed`` (in [0, 2**64)) makes the request's tokens reproducible.
+    ``min_tokens`` output tokens come before EOS or stop tokens may end the request. Bad values raise
+    :class:`~moeinfra.errors.InputError`.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        values: dict[str, object] = {
+            "temperature": _checked(
+                "temperature", self.temperature, float, lambda v: 0 <= v < math.inf, "a number >= 0"
+            ),
+            "top_p": _checked(
+                "top_p", self.top_p, float, lambda v: 0 < v <= 1, "a number in (0, 1]"
+            ),
+            "top_k": _checked(
+                "top_k", self.top_k, int, lambda v: v >= -1, "an int: -1 or 0 (off) or >= 1"
+            ),
+            "min_tokens": _checked(
+                "min_tokens", self.min_tokens, int, lambda v: v >= 0, "an int >= 0"
+            ),
+        }
+        if self.max_tokens is not None:
+            values["max_tokens"] = _checked(
+                "max_tokens", self.max_tokens, int, lambda v: v >= 1, "None or an int >= 1"
+            )
+            if values["min_tokens"] > values["max_tokens"]:
+                raise InputError(
+                    f"min_tokens={self.min_tokens!r} must be <= max_tokens={self.max_tokens!r}"
+                )
+        if self.seed is not None:
+            values["seed"] = _checked(
+                "seed", self.seed, int, lambda v: 0 <= v < 2**64, "None or an int in [0, 2**64)"
+            )
+        stop = (
+            () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        )
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise InputError(f"stop={self.stop!r} must be None, a non-empty str or a list of them")
+        values["stop"] = tuple(stop)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, list | tuple) or not all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise InputError(
+                f"stop_token_ids={self.stop_token_ids!r} must be None or a list of ints >= 0"
+            )
+        values["stop_token_ids"] = tuple(int(i) for i in ids)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be a bool")
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the argmax of the logits (temperature below 1e-5 or top_k == 1)."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def request_generator(
+    seed: int | None, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The generator a request with ``seed`` owns for :func:`sample` (on the logits' device), or
+    None for an unseeded request, which draws from the global RNG."""
+    return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """64-bit seed of a request's draw for its output token number ``step``.
+
+    A hash, so that nearby ``(seed, step)`` pairs give unrelated noise.
+    """
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, step), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Logits with everything outside each row's top-k and then its nucleus set to -inf.
+
+    x: [R, V] float logits (temperature applied). top_k: [R] int64 in [1, V]. top_p: [R] float in
+    (0, 1]. The nucleus is the smallest set of most probable tokens (after top-k) whose probability
+    reaches top_p, so it always holds the top token. Tokens tied in value count in token-id order.
+    Returns [R, V] in token order.
+    """
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(x.shape[-1], device=x.device)
+    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], -math.inf)
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # top_p == 1 keeps every token even where rounding pushes mass_before to 1.
+    outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_x = sorted_x.masked_fill(outside, -math.inf)
+    # Back to token order, so that a row's noise and result do not depend on whether it was sorted.
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    steps: Sequence[int],
+) -> torch.Tensor:
+    """One token per row: greedy, or temperature, top-k and top-p filtering then a random draw.
+
+    logits: [B, V] float, one row per request sampled this step. params, generators, steps: B
+    entries each; ``generators[i]`` is the request's own :func:`request_generator` exactly when
+    ``params[i].seed`` is set (else None) and ``steps[i]`` is how many tokens the request generated
+    before this one. Returns [B] int64 token ids.
+
+    Greedy rows take the argmax (lowest token id among ties) and draw nothing. The others draw by
+    the exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token, which picks
+    token ``j`` with probability ``probs[j]``. A seeded row's ``E`` comes from its generator reseeded
+    from ``(seed, steps[i])``, so its tokens are a function of its seed, logits and step alone: the
+    same in any batch, at any row, and after a draw was discarded or the request recomputed.
+    """
+    if logits.ndim != 2:
+        raise InputError(f"logits.shape={tuple(logits.shape)} must be [batch, vocab]")
+    batch, vocab = logits.shape
+    if not len(params) == len(generators) == len(steps) == batch:
+        raise InputError(
+            f"len(params)={len(params)}, len(generators)={len(generators)}, "
+            f"len(steps)={len(steps)} must all equal logits.shape[0]={batch}"
+        )
+    for i, (p, g, step) in enumerate(zip(params, generators, steps, strict=True)):
+        if (g is None) != (p.seed is None):
+            raise InputError(
+                f"generators[{i}]={g!r} must be a torch.Generator exactly when "
+                f"params[{i}].seed={p.seed!r} is not None"
+            )
+        if step < 0:
+            raise InputError(f"steps[{i}]={step!r} must be >= 0")
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    drawn = [params[i] for i in rows]
+    x = logits[rows].float()
+    x = x / torch.tensor([p.temperature for p in drawn], device=x.device)[:, None]
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in drawn):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in drawn], device=x.device)
+        top_p = torch.tensor([p.top_p for p in drawn], device=x.device)
+        x = _top_k_top_p(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    if any(p.seed is None for p in drawn):
+        noise.exponential_()
+    for r, i in enumerate(rows):
+        g = generators[i]
+        if g is not None:
+            g.manual_seed(_step_seed(params[i].seed, steps[i]))
+            noise[r].exponential_(generator=g)
+    # A zero draw would turn a filtered-out token's 0 / 0 into a NaN that argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+@dataclass(frozen=True)
+class StopChecker:
+    """Stop strings in one request's streamed text, and how much of that text can be shown.
+
+    :meth:`check` takes the whole text decoded so far (each call's text extending the previous
+    one's). Once a stop string occurs, the text ends before it, or after it when
+    ``include_stop_str_in_output``. Among several stop strings, the one completed first (smallest
+    end, then smallest start) wins, so the result does not depend on how the text arrived in
+    chunks. Until then, without ``include_stop_str_in_output``, a tail of the text that is the start
+    of a stop string is withheld, so a stream never shows part of a stop string; with it, a stop
+    string is shown anyway, so nothing is withheld. Every exposed text extends the previous one.
+    """
+
+    stop: tuple[str, ...]
+    include_stop_str_in_output: bool
+
+    def __post_init__(self) -> None:
+        if not all(self.stop):
+            raise InputError(f"stop={self.stop!r} must hold non-empty strings only")
+
+    def check(self, text: str) -> tuple[str, bool]:
+        """(text to expose so far, whether a stop string ended the request)."""
+        hits = [(i + len(s), i) for s in self.stop if (i := text.find(s)) >= 0]
+        if hits:
+            end, start = min(hits)
+            return text[: end if self.include_stop_str_in_output else start], True
+        if self.include_stop_str_in_output:
+            return text, False
+        held = max(
+            (n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0
+        )
+        return text[: len(text) - held], False

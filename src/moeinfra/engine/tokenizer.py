@@ -1,0 +1,124 @@
+"""A checkpoint's tokenizer: ``tokenizer.json`` (Hugging Face ``tokenizers``) plus
+``tokenizer_config.json`` (special tokens, ``add_bos_token``, the Jinja chat template).
+
+The chat template is rendered the way ``transformers`` renders it (a sandboxed Jinja environment with
+``trim_blocks`` and ``lstrip_blocks``, ``bos_token``/``eos_token`` and ``raise_exception`` in scope), and
+the rendered text is encoded without adding special tokens again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from moeinfra.engine.hf_config import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    """Encode, decode and apply the chat template of the checkpoint in ``model_dir``."""
+
+    def __init__(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the tokenizer is required)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+            raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+        config_path = model_dir / TOKENIZER_CONFIG
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS first when the config says ``add_bos_token``."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> str:
+        """The prompt text of a conversation (``[{"role": ..., "content": ...}, ...]``)."""
+        if not self.chat_template:
+            raise CheckpointError(f"{TOKENIZER_CONFIG}: the checkpoint has no chat_template")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (the template writes the special tokens)."""
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
+
+
+class DetokenizeStream:
+    """Incremental decoding of one request's output: :meth:`push` returns the new text.
+
+    Decodes a short window of the latest ids and holds text back while it ends in an incomplete UTF-8
+    sequence (the replacement character), as vLLM's incremental detokenizer does.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids whose text is already in self.text
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix : self._read], self.skip)
+        after = decode(self.ids[self._prefix :], self.skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self.text += new
+        self._prefix, self._read = self._read, len(self.ids)
+        return new

@@ -1,0 +1,113 @@
+"""The loop every rank of a unit runs, in lockstep: take new work, agree on the step, step.
+
+Each iteration the ranks all-reduce four flags — any work, any prompt tokens (which picks the
+micro-batch schedule every rank must share), shutdown requested, rebalance requested — so they run
+the same steps with the same schedule, and a rank with nothing to do still joins every collective.
+:func:`run_steps` is the loop for a process that is its own driver (one rank, or every rank of a
+``torchrun`` job); :func:`worker_main` is a spawned rank fed by queues from :class:`~moeinfra.engine.
+llm.LLM`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+
+
+def agree(core: EngineCore, shutdown: bool = False, rebalance: bool = False) -> list[bool]:
+    """``[any work, any prompt tokens, shutdown, rebalance]`` over the unit's ranks."""
+    flags = torch.tensor(
+        [core.has_work, core.has_work and core.has_prefill(), shutdown, rebalance],
+        dtype=torch.int64,
+    )
+    if core.comm.distributed and core.comm.world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=core.comm.group)
+    return [bool(f) for f in flags.tolist()]
+
+
+def run_steps(core: EngineCore) -> Iterator[list[StepOutput]]:
+    """Step until no rank has work (collective); yields each step's outputs of this rank."""
+    while True:
+        work, prefill, _, _ = agree(core)
+        if not work:
+            return
+        yield core.step(core.overlap_mode(prefill))
+
+
+def worker_main(
+    rank: int,
+    world: int,
+    init_method: str,
+    model_dir: str,
+    config: EngineConfig,
+    comm_delay_s: float,
+    inbox,
+    outbox,
+    collective_timeout_s: float,
+) -> None:
+    """A spawned rank: messages in ``inbox`` are ``("add", request_id, prompt_ids, params)``,
+    ``("abort", request_id)``, ``("rebalance",)``, ``("shutdown",)``; it puts ``("ready", rank)``,
+    ``("out", rank, [StepOutput])`` and, on failure, ``("error", rank, traceback)`` in ``outbox``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    from moeinfra.moe.comm import Communicator
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        comm = Communicator(delay_s=comm_delay_s)
+        try:
+            core = EngineCore(model_dir, config, comm)
+            outbox.put(("ready", rank))
+            _serve(core, inbox, outbox)
+        finally:
+            comm.close()
+            dist.destroy_process_group()
+    except BaseException:
+        outbox.put(("error", rank, traceback.format_exc(limit=8)))
+
+
+def _serve(core: EngineCore, inbox, outbox) -> None:
+    shutdown = rebalance = False
+    while True:
+        idle = not core.has_work
+        while True:
+            try:
+                message = inbox.get(timeout=0.002) if idle else inbox.get_nowait()
+            except queue.Empty:
+                break
+            idle = False
+            kind = message[0]
+            if kind == "add":
+                core.add_request(*message[1:])
+            elif kind == "abort":
+                out = core.abort(message[1])
+                if out is not None:
+                    outbox.put(("out", core.comm.rank, [out]))
+            elif kind == "rebalance":
+                rebalance = True
+            elif kind == "shutdown":
+                shutdown = True
+        work, prefill, stop, balance = agree(core, shutdown, rebalance)
+        if stop:
+            return
+        if balance:
+            core.rebalance()
+            rebalance = False
+        if work:
+            outputs = core.step(core.overlap_mode(prefill))
+            if outputs:
+                outbox.put(("out", core.comm.rank, outputs))

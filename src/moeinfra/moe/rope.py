@@ -1,0 +1,120 @@
+"""Rotary position embedding of DeepSeek-V3's decoupled RoPE dims, with the YaRN extension it ships.
+
+DeepSeek-V3's ``config.json`` carries ``rope_scaling = {type: yarn, factor: 40, original_max_position_
+embeddings: 4096, beta_fast: 32, beta_slow: 1, mscale: 1, mscale_all_dim: 1}``. YaRN blends each
+frequency between its original value and the value divided by ``factor`` with a linear ramp over the
+dims whose wavelength lies between ``beta_fast`` and ``beta_slow`` rotations of the original context,
+scales cos/sin by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` and the attention
+softmax by ``mscale(factor, mscale_all_dim)**2``. Formulas as in the YaRN paper (arXiv 2309.00071)
+and Hugging Face ``transformers``' ``_compute_yarn_parameters``, which is the reference the tests use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moeinfra.errors import InputError
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension (the ``rope_scaling`` block of a DeepSeek ``config.json``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise InputError(f"rope_scaling.factor={self.factor} must be > 0")
+        if self.original_max_position_embeddings < 1:
+            raise InputError(
+                "rope_scaling.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings} must be >= 1"
+            )
+
+    @classmethod
+    def from_hf(cls, rope_scaling: dict) -> Yarn:
+        """From a ``rope_scaling`` / ``rope_parameters`` dict whose type is ``yarn``."""
+        return cls(
+            factor=float(rope_scaling["factor"]),
+            original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
+            beta_fast=float(rope_scaling.get("beta_fast") or 32),
+            beta_slow=float(rope_scaling.get("beta_slow") or 1),
+            mscale=float(rope_scaling.get("mscale") or 0.0),
+            mscale_all_dim=float(rope_scaling.get("mscale_all_dim") or 0.0),
+        )
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inverse_frequencies(dim: int, theta: float, yarn: Yarn | None = None) -> torch.Tensor:
+    """``[dim / 2]`` float32 angular frequency of each rotated pair (radians per position)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    base = theta**exponents
+    inv_freq = 1.0 / base
+    if yarn is None:
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        wavelength_ratio = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelength_ratio) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a non-empty range
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: original frequency (extrapolate), 0: divided by factor (interpolate)
+    return (1.0 / (yarn.factor * base)) * (1 - keep) + inv_freq * keep
+
+
+def cos_sin_scale(yarn: Yarn | None) -> float:
+    """Factor on cos/sin (YaRN's attention factor; 1 without YaRN)."""
+    if yarn is None:
+        return 1.0
+    if yarn.mscale and yarn.mscale_all_dim:
+        return _mscale(yarn.factor, yarn.mscale) / _mscale(yarn.factor, yarn.mscale_all_dim)
+    return _mscale(yarn.factor)
+
+
+def softmax_scale(qk_head_dim: int, yarn: Yarn | None) -> float:
+    """Attention softmax scale: ``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2``."""
+    scale = qk_head_dim**-0.5
+    if yarn is not None and yarn.mscale_all_dim:
+        scale *= _mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+    return scale
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    interleaved: bool = True,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Rotate ``x [T, ..., d]`` by ``positions [T]``.
+
+    ``interleaved`` (DeepSeek's layout, ``rope_interleave``): pairs are ``(x[2i], x[2i+1])`` and the
+    output keeps that layout; otherwise pairs are ``(x[i], x[i + d/2])`` (``rotate_half``). Both
+    rotate pair ``i`` by ``positions * inv_freq[i]``; cos and sin are multiplied by ``scale``.
+    """
+    d = x.shape[-1]
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
+    cos, sin = (angles.cos() * scale).view(shape), (angles.sin() * scale).view(shape)
+    xf = x.float()
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+    a, b = xf[..., : d // 2], xf[..., d // 2 :]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
