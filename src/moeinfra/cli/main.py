@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from moeinfra.cli import engine as engine_cli
 from moeinfra.cli import eplb as eplb_cli
 from moeinfra.cli import moe as moe_cli
 from moeinfra.cli import pipeline as pipeline_cli
@@ -19,11 +20,12 @@ from moeinfra.cli import trace as trace_cli
 
 app = typer.Typer(
     name="moeinfra",
-    help="DeepSeek-style MoE infrastructure: EPLB, pipeline schedules, trace overlap analysis, serving.",
+    help="DeepSeek-style MoE infrastructure: EPLB, pipeline schedules, trace overlap analysis, inference engine, serving.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.add_typer(engine_cli.app, name="engine")
 app.add_typer(eplb_cli.app, name="eplb")
 app.add_typer(moe_cli.app, name="moe")
 app.add_typer(pipeline_cli.app, name="pipeline")

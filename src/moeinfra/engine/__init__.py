@@ -1,1 +1,33 @@
-"""Inference engine for DeepSeek-V3-architecture checkpoints (work in progress)."""
+"""Inference engine for DeepSeek-V3-architecture checkpoints, in vLLM's shape.
+
+* :class:`LLM` / :class:`SamplingParams` — ``LLM(model=PATH, ranks=R).generate(prompts, params)``.
+* :class:`EngineCore` / :class:`EngineConfig` — one rank: scheduler, paged MLA KV cache, model part.
+* :mod:`.registry` — architectures by ``config.json``'s ``model_type`` (``deepseek_v3``).
+* :func:`init_tiny` / :func:`default_model` — the built-in tiny checkpoint.
+* :class:`BlockManager` / :func:`block_hashes` — KV blocks, prefix sharing, reference counts.
+
+Needs torch, safetensors, tokenizers and jinja2 (``pip install moeinfra[engine]``).
+"""
+
+from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.kv_blocks import BlockManager, block_hashes
+from moeinfra.engine.llm import LLM
+from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+from moeinfra.engine.sampling import SamplingParams
+from moeinfra.engine.tiny import default_model, init_tiny
+from moeinfra.engine.tokenizer import Tokenizer
+
+__all__ = [
+    "LLM",
+    "BlockManager",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineCore",
+    "RequestOutput",
+    "SamplingParams",
+    "StepOutput",
+    "Tokenizer",
+    "block_hashes",
+    "default_model",
+    "init_tiny",
+]

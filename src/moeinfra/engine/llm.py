@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.hf_config import read_config
 from moeinfra.engine.outputs import CompletionOutput, RequestOutput
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.engine.tiny import default_model
@@ -54,6 +55,7 @@ class LLM:
         **engine_options,
     ) -> None:
         self.model_dir = Path(model) if model is not None else default_model()
+        read_config(self.model_dir)  # a bad folder fails here, naming the file
         self.config = EngineConfig(**engine_options)
         self.tokenizer = Tokenizer(self.model_dir)
         self.timeout_s = timeout_s

@@ -1,0 +1,90 @@
+"""``moeinfra engine``: write the built-in tiny checkpoint; generate from a DeepSeek-V3 checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    help="Inference engine for DeepSeek-V3-architecture checkpoints (Hugging Face format).",
+    no_args_is_help=True,
+)
+
+
+@app.command("init-tiny")
+def init_tiny_cmd(
+    path: Path = typer.Argument(..., help="New folder for the checkpoint."),
+    tokenizer: str = typer.Option(
+        "deepseek-v3",
+        "--tokenizer",
+        help="deepseek-v3 (DeepSeek-V3's own) or bpe (small, trained).",
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    fp8: bool = typer.Option(False, "--fp8", help="Store projections as FP8 128x128 blocks."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
+) -> None:
+    """Write a small DeepSeek-V3-shaped checkpoint (random weights) in Hugging Face's format."""
+    from moeinfra.engine.tiny import init_tiny
+
+    out = init_tiny(path, tokenizer=tokenizer, dtype=dtype, fp8=fp8, seed=seed, overwrite=overwrite)
+    typer.echo(f"tiny DeepSeek-V3 checkpoint written to {out}")
+
+
+@app.command()
+def generate(
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt (repeat for a batch)."),
+    model: Path | None = typer.Option(
+        None, "--model", "-m", help="Checkpoint folder (default: the built-in tiny one)."
+    ),
+    ranks: int = typer.Option(1, "--ranks", help="Ranks of the unit (EP degree)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user chat message."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: int | None = typer.Option(None, "--seed", help="Per-request sampling seed."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    redundant_experts: int = typer.Option(0, "--redundant-experts"),
+    overlap: str = typer.Option("auto", "--overlap", help="auto, none, prefill or decode."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    as_json: bool = typer.Option(False, "--json", help="Print results as JSON lines."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Generate a completion for each prompt."""
+    from moeinfra.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        stop=stop or None,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
+    with LLM(
+        model, ranks=ranks, redundant_experts=redundant_experts, overlap=overlap, dtype=dtype
+    ) as llm:
+        if chat:
+            messages = [[{"role": "user", "content": p}] for p in prompt]
+            results = llm.chat(messages, params, use_tqdm=not quiet)
+        else:
+            results = llm.generate(prompt, params, use_tqdm=not quiet)
+    for r in results:
+        out = r.outputs[0]
+        if as_json:
+            record = {
+                "prompt": r.prompt,
+                "prompt_token_ids": r.prompt_token_ids,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "num_cached_tokens": r.num_cached_tokens,
+            }
+            typer.echo(json.dumps(record, ensure_ascii=False))
+        else:
+            typer.echo(f"{r.prompt!r} -> {out.text!r} ({out.finish_reason})")

@@ -1,0 +1,58 @@
+"""Shared fixtures: the tiny checkpoint (trained BPE tokenizer) and transformers' greedy reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeinfra.engine.tiny import init_tiny
+
+# Mixed lengths; several share long prefixes (so block-level prefix sharing has something to share).
+PROMPTS = [
+    "The decode unit",
+    "Prefill and decode are disaggregated: a prefill unit computes the KV cache",
+    "Prefill and decode are disaggregated: a prefill unit computes the first token",
+    "x",
+    "Expert parallelism spreads the experts over GPUs and the all-to-all moves tokens",
+    "Expert parallelism spreads the experts over GPUs and the all-to-all moves tokens back",
+    "hello world",
+    "The decode unit runs EP144 with 32 redundant experts",
+    "KV cache",
+    "Prefill and decode are disaggregated",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    return init_tiny(tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer="bpe")
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_path):
+    from moeinfra.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_path)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model, prompt_ids):
+    """transformers' greedy continuation of every prompt (one prompt at a time, no padding)."""
+    out = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            gen = hf_model.generate(
+                x, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            out.append(gen[0, len(ids) :].tolist())
+    return out
