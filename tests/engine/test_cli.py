@@ -1,0 +1,74 @@
+"""``moeinfra engine init-tiny`` and ``generate`` as a user runs them; bad input: one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, timeout=180, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.timeout(200)
+def test_init_tiny_then_generate_json_on_two_ranks(tmp_path, tiny_path, reference, prompt_ids):
+    path = tmp_path / "tiny"
+    made = _cli("init-tiny", str(path), "--tokenizer", "bpe")
+    assert made.returncode == 0, made.stderr
+    assert "written to" in made.stdout
+    from .conftest import MAX_TOKENS, PROMPTS
+
+    proc = _cli(
+        "generate", "--model", str(path), "--ranks", "2", "--json", "--ignore-eos",
+        "--max-tokens", str(MAX_TOKENS), "-p", PROMPTS[0], "-p", PROMPTS[1],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in lines] == PROMPTS[:2]
+    # same seed and sizes as the session's checkpoint: transformers' greedy tokens
+    assert [r["token_ids"] for r in lines] == reference[:2]
+    assert all(r["finish_reason"] == "length" for r in lines)
+
+
+@pytest.mark.timeout(200)
+def test_generate_chat_on_the_default_checkpoint(tmp_path):
+    import os
+
+    env = {**os.environ, "MOEINFRA_CACHE": str(tmp_path)}
+    proc = _cli("generate", "--chat", "-p", "Hi", "--max-tokens", "3", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["prompt"] == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>"
+    assert record["prompt_token_ids"][:2] == [0, 128803]  # BOS, <｜User｜> of DeepSeek-V3
+    assert len(record["token_ids"]) <= 3
+    assert (tmp_path / "tiny-deepseek-v3" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["generate", "-p", "x", "--model", "/nonexistent"],
+            "model='/nonexistent' is not a folder",
+        ),
+        (["generate", "-p", "x", "--top-p", "2"], "top_p=2.0 must be a number in (0, 1]"),
+        (["generate", "-p", "x", "--ranks", "0"], "ranks=0 must be a positive integer"),
+        (["init-tiny", "/tmp/x", "--tokenizer", "gpt2"], "tokenizer='gpt2' is not allowed"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, tiny_path):
+    if args[0] == "generate" and "--model" not in args:
+        args = [*args, "--model", str(tiny_path)]
+    proc = _cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
