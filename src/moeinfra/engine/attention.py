@@ -3,14 +3,19 @@
 A step's tokens arrive as segments (a run of consecutive positions of one sequence). Their latents are
 written to the sequence's cache slots first, then each query attends to every cached position up to its
 own: decode segments (one token each) are batched into one padded gather, longer segments (prefill
-chunks) are attended one by one. The math is :func:`moeinfra.moe.mla.latent_attention` (absorbed form).
+chunks) are attended one by one. Which slots to write and gather depends only on the segments, so it
+is worked out once per step and micro-batch (:class:`AttentionPlan`) and shared by every layer. The
+math is :func:`moeinfra.moe.mla.latent_attention` (absorbed form).
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from moeinfra.engine.kv_cache import KVLayout, LayerCache
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention
 
@@ -24,6 +29,53 @@ def mla_layout(block: MoEConfig, num_layers: int, dtype: torch.dtype) -> KVLayou
     )
 
 
+@dataclass
+class AttentionPlan:
+    """Slots of one micro-batch's tokens: ``write [T]``; decode rows ``decode_rows [D]`` gathering
+    ``decode_slots [D, L]`` where ``decode_mask [D, 1, L]``; per prefill chunk ``(rows [n],
+    context slots [m], mask [1, n, m])``."""
+
+    num_tokens: int
+    write: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_mask: torch.Tensor
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
+    offsets, row = [], 0
+    for s in segments:
+        offsets.append(row)
+        row += s.length
+    slots = step.slots
+    write = [slots[s.seq][s.start : s.start + s.length] for s in segments]
+    decode = [i for i, s in enumerate(segments) if s.length == 1]
+    if decode:
+        contexts = [slots[segments[i].seq][: segments[i].start + 1] for i in decode]
+        lengths = torch.tensor([c.numel() for c in contexts])
+        decode_slots = pad_sequence(contexts, batch_first=True)
+        decode_mask = (torch.arange(decode_slots.shape[1])[None, :] < lengths[:, None])[:, None]
+    else:
+        decode_slots = torch.zeros(0, 0, dtype=torch.int64)
+        decode_mask = torch.zeros(0, 1, 0, dtype=torch.bool)
+    chunks = []
+    for i, s in enumerate(segments):
+        if s.length > 1:
+            end = s.start + s.length
+            mask = torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]
+            rows = torch.arange(offsets[i], offsets[i] + s.length)
+            chunks.append((rows, slots[s.seq][:end], mask[None]))
+    return AttentionPlan(
+        row,
+        torch.cat(write) if write else torch.zeros(0, dtype=torch.int64),
+        torch.tensor([offsets[i] for i in decode], dtype=torch.int64),
+        decode_slots,
+        decode_mask,
+        chunks,
+    )
+
+
 def _rows(latent: Latent, rows: torch.Tensor) -> Latent:
     return Latent(latent.q_nope[rows], latent.q_pe[rows], latent.kv[rows], latent.k_pe[rows])
 
@@ -32,39 +84,24 @@ def paged_mla_attention(
     mla: MLA, latent: Latent, segments: list[Segment], cache: LayerCache
 ) -> torch.Tensor:
     """Attention output ``[T, H]`` of the ``T`` tokens of ``segments`` (concatenated in order)."""
-    kv_store, pe_store = cache.part(LATENT), cache.part(ROPE_KEY)
-    offsets, row = [], 0
-    for s in segments:
-        offsets.append(row)
-        row += s.length
-    if row == 0:
+    plan = cache.step.plan(tuple(segments), plan_attention)
+    if plan.num_tokens == 0:
         return latent.q_nope.new_zeros(0, mla.wo.out_features)
-    write = torch.cat([cache.positions(s.seq, s.start, s.start + s.length) for s in segments])
-    kv_store[write] = latent.kv.to(kv_store.dtype)
-    pe_store[write] = latent.k_pe.to(pe_store.dtype)
-    out = latent.q_nope.new_empty(row, mla.wo.out_features)
-    decode = [i for i, s in enumerate(segments) if s.length == 1]
-    if decode:
-        lengths = torch.tensor([segments[i].start + 1 for i in decode])
-        longest = int(lengths.max())
-        gather = torch.zeros(len(decode), longest, dtype=torch.int64)
-        for j, i in enumerate(decode):
-            s = segments[i]
-            gather[j, : s.start + 1] = cache.positions(s.seq, 0, s.start + 1)
-        mask = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, :]
-        rows = torch.tensor([offsets[i] for i in decode])
-        kv = kv_store[gather].to(latent.kv.dtype)
-        pe = pe_store[gather].to(latent.kv.dtype)
-        out[rows] = latent_attention(mla, _rows(latent, rows), kv, pe, mask)[:, 0]
-    for i, s in enumerate(segments):
-        if s.length == 1:
-            continue
-        end = s.start + s.length
-        ctx = cache.positions(s.seq, 0, end)
-        rows = torch.arange(offsets[i], offsets[i] + s.length)
-        q_pos = torch.arange(s.start, end)[:, None]
-        mask = (torch.arange(end)[None, :] <= q_pos)[None]
-        kv = kv_store[ctx].to(latent.kv.dtype)[None]
-        pe = pe_store[ctx].to(latent.kv.dtype)[None]
+    kv_store, pe_store = cache.part(LATENT), cache.part(ROPE_KEY)
+    kv_store[plan.write] = latent.kv.to(kv_store.dtype)
+    pe_store[plan.write] = latent.k_pe.to(pe_store.dtype)
+    if not plan.chunks:  # decode only: every row in order
+        kv = kv_store[plan.decode_slots].to(latent.kv.dtype)
+        pe = pe_store[plan.decode_slots].to(latent.kv.dtype)
+        return latent_attention(mla, latent, kv, pe, plan.decode_mask)[:, 0]
+    out = latent.q_nope.new_empty(plan.num_tokens, mla.wo.out_features)
+    if plan.decode_rows.numel():
+        kv = kv_store[plan.decode_slots].to(latent.kv.dtype)
+        pe = pe_store[plan.decode_slots].to(latent.kv.dtype)
+        rows = plan.decode_rows
+        out[rows] = latent_attention(mla, _rows(latent, rows), kv, pe, plan.decode_mask)[:, 0]
+    for rows, context, mask in plan.chunks:
+        kv = kv_store[context].to(latent.kv.dtype)[None]
+        pe = pe_store[context].to(latent.kv.dtype)[None]
         out[rows] = latent_attention(mla, _rows(latent, rows), kv, pe, mask)[0]
     return out

@@ -9,6 +9,7 @@ takes part in every MoE layer's dispatch and combine, as DeepSeek's data-paralle
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,25 @@ class StepOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """One step of one rank: tokens run (prompt / recompute vs. one-token decode), queue sizes
+    after scheduling, and seconds in the model's forward, in LM head + sampling, and in all."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    forward_s: float
+    sample_s: float
+    total_s: float
+
+    @property
+    def overhead_s(self) -> float:
+        """Engine time outside the model: scheduling, inputs, outputs, detokenisation."""
+        return self.total_s - self.forward_s - self.sample_s
+
+
 class EngineCore:
     """One rank of a unit of ``comm.world_size`` ranks serving the checkpoint in ``model_dir``."""
 
@@ -122,6 +142,8 @@ class EngineCore:
         self.steps = 0
         self.rebalances = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=self.config.eplb_window)
+        self.stats: deque[StepStats] = deque(maxlen=4096)
+        self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
         for layer in self.model.moe:
             layer.record_load = True
         eos = set(self.model_config.eos_token_ids)
@@ -204,6 +226,7 @@ class EngineCore:
     @torch.no_grad()
     def step(self, overlap: str | None = None) -> list[StepOutput]:
         """Run one engine step (collective on the unit); outputs of the requests it advanced."""
+        began = time.perf_counter()
         scheduled, rejected = self.scheduler.schedule()
         outputs = []
         for seq in rejected:
@@ -212,15 +235,18 @@ class EngineCore:
         if overlap is None:
             overlap = self.overlap_mode(any(c.length > 1 for c in scheduled))
         segments = [Segment(c.seq.seq_id, c.start, c.length) for c in scheduled]
-        ids = [t for c in scheduled for t in c.seq.token_ids[c.start : c.start + c.length]]
+        ids = []
+        for c in scheduled:
+            seq = c.seq
+            if c.length == 1 and seq.output_ids and c.start == seq.num_tokens - 1:
+                ids.append(seq.output_ids[-1])
+            else:
+                ids.extend(seq.token_ids[c.start : c.start + c.length])
         input_ids = torch.tensor(ids, dtype=torch.int64)
-        slots = {
-            c.seq.seq_id: StepCache.slots_of(
-                self.blocks.block_table(c.seq.seq_id), self.blocks.block_size
-            )
-            for c in scheduled
-        }
-        hidden = self.model(input_ids, segments, StepCache(self.cache, slots), overlap)
+        step_cache = StepCache(self.cache, {c.seq.seq_id: self._slots(c.seq) for c in scheduled})
+        forward_began = time.perf_counter()
+        hidden = self.model(input_ids, segments, step_cache, overlap)
+        forward_s = time.perf_counter() - forward_began
         self.steps += 1
         if self.config.eplb_interval is not None:
             self.load_window.append(load_matrix(list(self.model.moe), all_reduce=False))
@@ -228,24 +254,51 @@ class EngineCore:
                 self.rebalance()
         ends = np.cumsum([c.length for c in scheduled]) - 1
         sampling = [(c, int(end)) for c, end in zip(scheduled, ends, strict=True) if c.samples]
+        bs = self.blocks.block_size
         for c in scheduled:
-            c.seq.num_computed = c.start + c.length
-            if self.config.enable_prefix_caching:
-                self.blocks.mark_computed(c.seq.seq_id, c.seq.token_ids, c.seq.num_computed)
-        if not sampling:
-            return outputs
-        logits = self.model.logits(hidden[[row for _, row in sampling]])
-        self._mask_early_stop(logits, [c.seq for c, _ in sampling])
-        seqs = [c.seq for c, _ in sampling]
-        tokens = sample(
-            logits,
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            [len(s.output_ids) for s in seqs],
-        ).tolist()
-        for (c, _), token in zip(sampling, tokens, strict=True):
-            outputs.append(self._append(c.seq, token))
+            seq = c.seq
+            seq.num_computed = c.start + c.length
+            # a block becomes shareable once full: only then is there something to register
+            if self.config.enable_prefix_caching and seq.num_computed // bs > c.start // bs:
+                self.blocks.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed)
+        sample_s = 0.0
+        if sampling:
+            sample_began = time.perf_counter()
+            logits = self.model.logits(hidden[[row for _, row in sampling]])
+            seqs = [c.seq for c, _ in sampling]
+            self._mask_early_stop(logits, seqs)
+            tokens = sample(
+                logits,
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                [len(s.output_ids) for s in seqs],
+            ).tolist()
+            sample_s = time.perf_counter() - sample_began
+            for seq, token in zip(seqs, tokens, strict=True):
+                outputs.append(self._append(seq, token))
+        self.stats.append(
+            StepStats(
+                prefill_tokens=sum(
+                    c.length for c in scheduled if not c.seq.output_ids or c.length > 1
+                ),
+                decode_tokens=sum(1 for c in scheduled if c.length == 1 and c.seq.output_ids),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                forward_s=forward_s,
+                sample_s=sample_s,
+                total_s=time.perf_counter() - began,
+            )
+        )
         return outputs
+
+    def _slots(self, seq: Sequence) -> torch.Tensor:
+        """``[capacity]`` cache slot of every position of ``seq`` (rebuilt when its table grows)."""
+        table = self.blocks.block_table(seq.seq_id)
+        cached = self._slot_cache.get(seq.seq_id)
+        if cached is None or cached[0] != table:
+            cached = (table, StepCache.slots_of(table, self.blocks.block_size))
+            self._slot_cache[seq.seq_id] = cached
+        return cached[1]
 
     def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule)."""
@@ -292,6 +345,7 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
+        self._slot_cache.pop(seq.seq_id, None)
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)

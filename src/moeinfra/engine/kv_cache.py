@@ -8,7 +8,7 @@ owns is :class:`~moeinfra.engine.kv_blocks.BlockManager`'s bookkeeping; a step h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,13 +71,21 @@ class PagedKVCache:
 @dataclass
 class StepCache:
     """One step's view: ``slots[seq]`` is the ``[capacity]`` int64 cache slot of each position of
-    sequence ``seq`` (from its block table)."""
+    sequence ``seq`` (from its block table). ``plans`` memoises per-segment-list attention metadata
+    (the same for every layer of the step)."""
 
     cache: PagedKVCache
     slots: dict[int, torch.Tensor]
+    plans: dict = field(default_factory=dict)
 
     def layer(self, layer: int) -> LayerCache:
         return LayerCache(self, layer)
+
+    def plan(self, segments: tuple, build):
+        """``build(self, segments)``, computed once per step for the same segments."""
+        if segments not in self.plans:
+            self.plans[segments] = build(self, list(segments))
+        return self.plans[segments]
 
     @staticmethod
     def slots_of(block_table: list[int], block_size: int) -> torch.Tensor:
@@ -94,10 +102,3 @@ class LayerCache:
 
     def part(self, name: str) -> torch.Tensor:
         return self.step.cache.part(self.index, name)
-
-    def positions(self, seq: int, start: int, end: int) -> torch.Tensor:
-        """``[end - start]`` slots of positions ``start .. end-1`` of ``seq``."""
-        slots = self.step.slots[seq]
-        if end > slots.numel():
-            raise InputError(f"sequence {seq} has {slots.numel()} cache slots, needs {end}")
-        return slots[start:end]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from moeinfra.eplb import Plan, migration, replica_for_tokens
 from moeinfra.errors import InputError
@@ -129,6 +130,7 @@ class ExpertParallelMoE(nn.Module):
         self.record_load = False
         self.load_counts = torch.zeros(self.config.num_routed_experts, dtype=torch.int64)
         self._token_offset = self.comm.rank
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def local_experts(self) -> list[int]:
         """Logical expert of each of this rank's slots."""
@@ -175,14 +177,39 @@ class ExpertParallelMoE(nn.Module):
         )
         out = torch.empty_like(rows)
         by_slot = torch.argsort(recv_slot, stable=True)
-        counts = recv_counts.sum(0).tolist()
+        counts = recv_counts.sum(0)
+        stacked = self._stacked_weights()
+        if stacked is not None:
+            w13, w2 = stacked
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(rows[by_slot], w13, offs=ends).chunk(2, dim=-1)
+            out[by_slot] = F.grouped_mm(F.silu(gate) * up, w2, offs=ends)
+            return out
         start = 0
-        for slot, count in enumerate(counts):
+        for slot, count in enumerate(counts.tolist()):
             if count:
                 idx = by_slot[start : start + count]
                 out[idx] = self.experts[slot](rows[idx])
                 start += count
         return out
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The slots' expert weights stacked for one grouped GEMM per projection:
+        ``w13 [slots, H, 2I]`` (gate and up) and ``w2 [slots, I, H]``; rebuilt after a migration.
+        None where ``grouped_mm`` cannot run them (its operands need 16-byte-aligned strides)."""
+        if self._stack is None:
+            first = self.experts[0]
+            item = first.w1.weight.element_size()
+            dims = (first.w1.in_features, first.w1.out_features)
+            if not hasattr(F, "grouped_mm") or any(d * item % 16 for d in dims):
+                return None
+            with torch.no_grad():
+                w13 = torch.stack(
+                    [torch.cat([e.w1.weight, e.w3.weight]).t() for e in self.experts]
+                ).contiguous()
+                w2 = torch.stack([e.w2.weight.t() for e in self.experts]).contiguous()
+            self._stack = (w13, w2)
+        return self._stack
 
     def combine(self, routed: Routed, expert_out: torch.Tensor, name: str = "combine") -> Pending:
         """Issue the combine: send expert outputs back to the tokens' ranks (async)."""
@@ -275,6 +302,7 @@ class ExpertParallelMoE(nn.Module):
                 _load_flat(module, received[expert])
                 experts.append(module)
         self.experts = nn.ModuleList(_distinct(experts))
+        self._stack = None
         self.plan = new_plan
         return len(received)
 

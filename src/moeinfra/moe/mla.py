@@ -20,7 +20,13 @@ from torch import nn
 
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.layers import RMSNorm
-from moeinfra.moe.rope import apply_rope, cos_sin_scale, inverse_frequencies, softmax_scale
+from moeinfra.moe.rope import (
+    RotaryTable,
+    cos_sin_scale,
+    inverse_frequencies,
+    rotate,
+    softmax_scale,
+)
 
 # DeepSeek's inference code and transformers give the two latent norms the default epsilon,
 # whatever the config's rms_norm_eps.
@@ -57,7 +63,11 @@ def positions_of(segments: list[Segment], device: torch.device | None = None) ->
     """``[T]`` int64 position of every token of ``segments`` (concatenated in order)."""
     if not segments:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])
+    starts = torch.tensor([s.start for s in segments], device=device)
+    lengths = torch.tensor([s.length for s in segments], device=device)
+    first_row = lengths.cumsum(0) - lengths
+    shift = torch.repeat_interleave(starts - first_row, lengths)
+    return torch.arange(int(lengths.sum()), device=device) + shift
 
 
 @dataclass
@@ -89,22 +99,15 @@ class MLA(nn.Module):
         )
         self.wo = nn.Linear(self.heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
-        self.register_buffer(
-            "inv_freq",
+        self.rotary = RotaryTable(
             inverse_frequencies(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling),
-            persistent=False,
+            cos_sin_scale(c.rope_scaling),
         )
-        self._cos_sin_scale = cos_sin_scale(c.rope_scaling)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate the RoPE dims ``x [T, ..., qk_rope_head_dim]`` to ``positions [T]``."""
-        return apply_rope(
-            x,
-            positions,
-            self.inv_freq,
-            interleaved=self.config.rope_interleave,
-            scale=self._cos_sin_scale,
-        )
+        cos, sin = self.rotary(positions)
+        return rotate(x, cos, sin, self.config.rope_interleave)
 
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> Latent:
         """ATTN-0 of the absorbed form: ``x [T, H]`` (normed), ``positions [T]`` -> :class:`Latent`."""

@@ -94,24 +94,41 @@ def softmax_scale(qk_head_dim: int, yarn: Yarn | None) -> float:
     return scale
 
 
-def apply_rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    *,
-    interleaved: bool = True,
-    scale: float = 1.0,
+class RotaryTable:
+    """cos and sin (times ``scale``) of every rotated pair at positions ``0 .. n-1``, grown by
+    doubling as larger positions come, so a step's layers gather rows instead of recomputing them.
+    Row ``p`` equals what ``positions * inv_freq`` gives for ``p`` (the same float32 arithmetic)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0) -> None:
+        self.inv_freq, self.scale = inv_freq, scale
+        self.cos = self.sin = inv_freq.new_zeros(0, inv_freq.numel())
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, d/2]`` float32, of ``positions [T]``."""
+        if positions.device != self.inv_freq.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.cos = self.sin = self.inv_freq.new_zeros(0, self.inv_freq.numel())
+        if positions.numel():
+            needed = int(positions.max()) + 1
+            if needed > self.cos.shape[0]:
+                size = max(needed, 2 * self.cos.shape[0], 256)
+                angles = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
+                angles = angles[:, None] * self.inv_freq[None, :]
+                self.cos, self.sin = angles.cos() * self.scale, angles.sin() * self.scale
+        return self.cos[positions], self.sin[positions]
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True
 ) -> torch.Tensor:
-    """Rotate ``x [T, ..., d]`` by ``positions [T]``.
+    """Rotate ``x [T, ..., d]`` by per-token ``cos, sin [T, d/2]``.
 
     ``interleaved`` (DeepSeek's layout, ``rope_interleave``): pairs are ``(x[2i], x[2i+1])`` and the
-    output keeps that layout; otherwise pairs are ``(x[i], x[i + d/2])`` (``rotate_half``). Both
-    rotate pair ``i`` by ``positions * inv_freq[i]``; cos and sin are multiplied by ``scale``.
+    output keeps that layout; otherwise pairs are ``(x[i], x[i + d/2])`` (``rotate_half``).
     """
     d = x.shape[-1]
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = (angles.cos() * scale).view(shape), (angles.sin() * scale).view(shape)
+    cos, sin = cos.view(shape), sin.view(shape)
     xf = x.float()
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
