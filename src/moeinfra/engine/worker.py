@@ -80,16 +80,22 @@ def worker_main(
         outbox.put(("error", rank, traceback.format_exc(limit=8)))
 
 
+IDLE_WAIT_S = (0.001, 0.01)  # an idle rank waits for messages this long, doubling while idle
+
+
 def _serve(core: EngineCore, inbox, outbox) -> None:
     shutdown = rebalance = False
+    wait = IDLE_WAIT_S[0]
     while True:
         idle = not core.has_work
+        wait = min(2 * wait, IDLE_WAIT_S[1]) if idle else IDLE_WAIT_S[0]
         while True:
             try:
-                message = inbox.get(timeout=0.002) if idle else inbox.get_nowait()
+                message = inbox.get(timeout=wait) if idle else inbox.get_nowait()
             except queue.Empty:
                 break
             idle = False
+            wait = IDLE_WAIT_S[0]
             kind = message[0]
             if kind == "add":
                 core.add_request(*message[1:])
