@@ -16,7 +16,8 @@ Run: ``.venv/bin/python -m benchmarks.bench_engine [--reps 3]``
 3. EP=2 (two spawned gloo ranks, one thread each) vs EP=1 (in-process, torch's default threads).
 4. Dual micro-batch overlap on 2 ranks with an injected all-to-all latency per exchange, on a
    decode workload (64 requests x 32 tokens) and a prefill workload (16 prompts of 512 tokens).
-Medians over ``--reps`` repetitions, configurations interleaved within each repetition.
+Medians over ``--reps`` repetitions. Prefix caching is off throughout (the repetitions send the
+same prompts, which would otherwise hit the cache from the second one on).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def versus_transformers(model_dir, reps: int) -> list[dict]:
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     rows = []
     for conc in (1, 8, 32):
-        llm = LLM(model_dir, max_num_seqs=conc, num_kv_blocks=1024)
+        llm = LLM(model_dir, max_num_seqs=conc, num_kv_blocks=1024, enable_prefix_caching=False)
         prompts, lengths = mixed_workload(llm, max(8, 4 * conc))
         ours, theirs = [], []
         for _ in range(reps):
@@ -131,7 +132,7 @@ def versus_transformers(model_dir, reps: int) -> list[dict]:
 def _time_unit(model_dir, reps: int, **options) -> dict[str, float]:
     """Median seconds of a decode workload (64 requests x 32 tokens) and a prefill workload
     (16 prompts of 512 tokens, 1 output token; 4,096 tokens per rank per step) on one unit."""
-    with LLM(model_dir, max_num_batched_tokens=4096, **options) as llm:
+    with LLM(model_dir, max_num_batched_tokens=4096, enable_prefix_caching=False, **options) as llm:
         decode = _prompts(llm, 64, 16)
         prefill = [[0] + list(range(1000 + 7 * i, 1511 + 7 * i)) for i in range(16)]
         times: dict[str, list[float]] = {"decode": [], "prefill": []}
@@ -154,7 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0])
     args = parser.parse_args(argv)
     model_dir = default_model()
-    llm = LLM(model_dir, max_num_seqs=256, max_num_batched_tokens=32768, num_kv_blocks=1024)
+    llm = LLM(
+        model_dir,
+        max_num_seqs=256,
+        max_num_batched_tokens=32768,
+        num_kv_blocks=1024,
+        enable_prefix_caching=False,
+    )
     print(
         f"checkpoint {model_dir}, float32, torch threads {torch.get_num_threads()}, "
         f"medians of {args.reps}\n"

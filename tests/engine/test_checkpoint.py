@@ -129,6 +129,7 @@ def test_missing_tensor_unknown_architecture_and_missing_tokenizer(tiny_path, tm
         CheckpointError, match=r"config.json: model_type='mixtral' is not supported"
     ):
         LLM(path)
+    (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"tokenizer.json: missing"):
         LLM(path)

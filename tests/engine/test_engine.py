@@ -196,3 +196,41 @@ def test_redundant_slots_must_divide_over_ranks(tiny_path):
 
     with pytest.raises(ValueError, match=r"16 experts \+ redundant must be a multiple of ranks=2"):
         EngineCore(tiny_path, EngineConfig(redundant_experts=1), comm=TwoRanks())
+
+
+def _stream_and_abort(llm, prompt_ids):
+    """Stream every prompt; abort request 0 after its first token. Returns (deltas, aborted id)."""
+    deltas: dict[int, list] = {}
+    aborted = None
+    for index, delta in llm.stream(prompt_ids, GREEDY):
+        deltas.setdefault(index, []).append(delta)
+        if index == 0 and aborted is None and delta.new_token_ids:
+            aborted = delta.request_id
+            llm.abort(aborted)
+    return deltas, aborted
+
+
+def test_stream_deltas_add_up_to_generate_and_abort_stops_one_request(tiny_path, prompt_ids):
+    llm = LLM(tiny_path)
+    whole = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    deltas, aborted = _stream_and_abort(llm, prompt_ids)
+    assert aborted is not None
+    assert deltas[0][-1].finish_reason == "abort"
+    assert sum(len(d.new_token_ids) for d in deltas[0]) < GREEDY.max_tokens
+    for i, out in enumerate(whole[1:], start=1):
+        assert [t for d in deltas[i] for t in d.new_token_ids] == out.outputs[0].token_ids
+        assert "".join(d.new_text for d in deltas[i]) == out.outputs[0].text
+        assert [d.finished for d in deltas[i]].count(True) == 1 and deltas[i][-1].finished
+    assert llm._core.blocks.num_used_blocks == 0
+
+
+@pytest.mark.timeout(120)
+def test_spawned_unit_streams_aborts_and_rebalances_on_request(tiny_path, prompt_ids, reference):
+    with LLM(tiny_path, ranks=2, redundant_experts=2, timeout_s=90) as llm:
+        deltas, _ = _stream_and_abort(llm, prompt_ids)
+        assert deltas[0][-1].finish_reason == "abort"
+        for i in range(1, len(prompt_ids)):
+            assert [t for d in deltas[i] for t in d.new_token_ids] == reference[i][:8]
+        llm.rebalance()  # applied by every rank before its next step
+        again = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [r[:8] for r in reference]

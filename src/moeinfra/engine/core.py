@@ -88,6 +88,21 @@ class StepOutput:
     num_cached_tokens: int = 0
 
 
+def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
+    """Raise :class:`InputError` for an empty prompt, an id outside the vocabulary, or a prompt
+    that leaves no room in the model's context."""
+    if not prompt_ids:
+        raise InputError("prompt must have at least one token")
+    vocab = config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise InputError(f"prompt token ids must be in 0..{vocab - 1}")
+    if len(prompt_ids) >= config.max_position_embeddings:
+        raise InputError(
+            f"prompt has {len(prompt_ids)} tokens, the model's context is "
+            f"{config.max_position_embeddings}"
+        )
+
+
 @dataclass(frozen=True)
 class StepStats:
     """One step of one rank: tokens run (prompt / recompute vs. one-token decode), queue sizes
@@ -173,16 +188,7 @@ class EngineCore:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InputError(f"request_id={request_id!r} is already running")
-        if not prompt_ids:
-            raise InputError("prompt must have at least one token")
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InputError(f"prompt token ids must be in 0..{vocab - 1}")
-        if len(prompt_ids) >= self.model_config.max_position_embeddings:
-            raise InputError(
-                f"prompt has {len(prompt_ids)} tokens, the model's context is "
-                f"{self.model_config.max_position_embeddings}"
-            )
+        check_prompt(self.model_config, prompt_ids)
         seq = Sequence(
             next(self._ids),
             request_id,
@@ -248,10 +254,10 @@ class EngineCore:
         hidden = self.model(input_ids, segments, step_cache, overlap)
         forward_s = time.perf_counter() - forward_began
         self.steps += 1
-        if self.config.eplb_interval is not None:
-            self.load_window.append(load_matrix(list(self.model.moe), all_reduce=False))
-            if self.steps % self.config.eplb_interval == 0:
-                self.rebalance()
+        self.load_window.append(load_matrix(list(self.model.moe), all_reduce=False))
+        interval = self.config.eplb_interval
+        if interval is not None and self.steps % interval == 0:
+            self.rebalance()
         ends = np.cumsum([c.length for c in scheduled]) - 1
         sampling = [(c, int(end)) for c, end in zip(scheduled, ends, strict=True) if c.samples]
         bs = self.blocks.block_size
@@ -366,6 +372,8 @@ class EngineCore:
     def rebalance(self) -> int:
         """Re-place experts from the loads of the last ``eplb_window`` steps (summed over ranks)
         and migrate their weights live (collective). Returns the expert tensors this rank received."""
+        if not self.load_window or not self.model_config.num_moe_layers:
+            return 0
         load = np.sum(list(self.load_window), axis=0)
         if self.comm.distributed and self.comm.world_size > 1:
             t = torch.from_numpy(load.astype(np.int64))

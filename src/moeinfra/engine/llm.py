@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
 
-from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput, check_prompt
 from moeinfra.engine.hf_config import read_config
 from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.engine.tiny import default_model
 from moeinfra.engine.tokenizer import Tokenizer
-from moeinfra.engine.worker import run_steps, worker_main
+from moeinfra.engine.worker import agree, worker_main
 from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator
 
@@ -55,13 +56,17 @@ class LLM:
         **engine_options,
     ) -> None:
         self.model_dir = Path(model) if model is not None else default_model()
-        read_config(self.model_dir)  # a bad folder fails here, naming the file
+        raw = read_config(self.model_dir)  # a bad folder fails here, naming the file
+        source = str(self.model_dir / "config.json")
+        self.model_config = architecture(raw["model_type"], source).parse_config(raw, source)
         self.config = EngineConfig(**engine_options)
         self.tokenizer = Tokenizer(self.model_dir)
         self.timeout_s = timeout_s
         self._ids = itertools.count()
         self._procs: list = []
         self._core: EngineCore | None = None
+        self._owner: dict[str, int] = {}  # request id -> rank, for a spawned unit
+        self._aborted: list[StepOutput] = []
         external = ranks is None and dist.is_available() and dist.is_initialized()
         if ranks is None and not external:
             ranks = 1
@@ -167,14 +172,10 @@ class LLM:
             f"got {type(prompt).__name__}"
         )
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; one :class:`RequestOutput` per prompt, in prompt order."""
+    def _requests(
+        self, prompts, sampling_params
+    ) -> list[tuple[str, str | None, list[int], SamplingParams]]:
+        """``(request id, prompt text, prompt ids, params)`` of each prompt, validated."""
         single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
@@ -188,20 +189,66 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(items)} prompts"
                 )
         encoded = [self._prompt_ids(p) for p in items]
-        ids = [f"req-{next(self._ids)}" for _ in items]
+        for _, ids in encoded:
+            check_prompt(self.model_config, ids)
+        return [
+            (f"req-{next(self._ids)}", text, ids, p)
+            for (text, ids), p in zip(encoded, params, strict=True)
+        ]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one :class:`RequestOutput` per prompt, in prompt order."""
+        requests = self._requests(prompts, sampling_params)
         results = {
-            rid: RequestOutput(rid, text, pids, [CompletionOutput(0, "", [])])
-            for rid, (text, pids) in zip(ids, encoded, strict=True)
+            rid: RequestOutput(rid, text, ids, [CompletionOutput(0, "", [])])
+            for rid, text, ids, _ in requests
         }
-        bar = _progress(len(items), use_tqdm)
+        bar = _progress(len(requests), use_tqdm)
         try:
-            if self._procs:
-                self._run_spawned(ids, encoded, params, results, bar)
-            else:
-                self._run_local(ids, encoded, params, results, bar)
+            for out in self._run(requests):
+                _apply(results[out.request_id], out, bar)
         finally:
             bar.close()
-        return [results[rid] for rid in ids]
+        core = self._core
+        if core is not None and core.comm.world_size > 1:  # torchrun: every rank gets every result
+            gathered: list = [None] * core.comm.world_size
+            mine = {
+                rid: results[rid] for rid, *_ in requests[core.comm.rank :: core.comm.world_size]
+            }
+            dist.all_gather_object(gathered, mine, group=core.comm.group)
+            for part in gathered:
+                results.update(part)
+        return [results[rid] for rid, *_ in requests]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, StepOutput]]:
+        """Yield ``(prompt index, delta)`` as steps produce tokens: ``delta.new_token_ids``,
+        ``delta.new_text``, ``delta.finished``, ``delta.finish_reason``. ``abort(delta.request_id)``
+        stops a request (its last delta has ``finish_reason="abort"``)."""
+        requests = self._requests(prompts, sampling_params)
+        index = {rid: i for i, (rid, *_) in enumerate(requests)}
+        for out in self._run(requests):
+            yield index[out.request_id], out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request of a running :meth:`stream` and free its KV blocks."""
+        if self._procs:
+            rank = self._owner.get(request_id)
+            if rank is not None:
+                self._inboxes[rank].put(("abort", request_id))
+        elif self._core is not None:
+            out = self._core.abort(request_id)
+            if out is not None:
+                self._aborted.append(out)
 
     def chat(
         self,
@@ -221,41 +268,43 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_local(self, ids, encoded, params, results, bar) -> None:
+    def _run(self, requests) -> Iterator[StepOutput]:
+        """Submit ``requests`` and yield every step output of this process's share until done."""
+        if self._procs:
+            yield from self._run_spawned(requests)
+            return
         core = self._core
         world, rank = core.comm.world_size, core.comm.rank
-        for i, (rid, (_, pids), p) in enumerate(zip(ids, encoded, params, strict=True)):
-            if i % world == rank:
-                core.add_request(rid, pids, p)
-        for outputs in run_steps(core):
-            for out in outputs:
-                _apply(results[out.request_id], out, bar)
-        if world > 1:
-            gathered: list = [None] * world
-            mine = {rid: results[rid] for i, rid in enumerate(ids) if i % world == rank}
-            dist.all_gather_object(gathered, mine, group=core.comm.group)
-            for part in gathered:
-                results.update(part)
+        for rid, _, ids, params in requests[rank::world]:
+            core.add_request(rid, ids, params)
+        while True:
+            while self._aborted:
+                yield self._aborted.pop(0)
+            work, prefill, _, _ = agree(core)
+            if not work:
+                return
+            yield from core.step(core.overlap_mode(prefill))
 
-    def _run_spawned(self, ids, encoded, params, results, bar) -> None:
+    def _run_spawned(self, requests) -> Iterator[StepOutput]:
         outstanding = [0] * self.ranks  # tokens to prefill and decode per rank
-        owner = {}
-        for rid, (_, pids), p in zip(ids, encoded, params, strict=True):
+        for rid, _, ids, params in requests:
             rank = min(range(self.ranks), key=lambda r: (outstanding[r], r))
-            outstanding[rank] += len(pids) + (p.max_tokens or 0)
-            owner[rid] = rank
-            self._inboxes[rank].put(("add", rid, pids, p))
-        left = len(ids)
+            outstanding[rank] += len(ids) + (params.max_tokens or 0)
+            self._owner[rid] = rank
+            self._inboxes[rank].put(("add", rid, ids, params))
+        left = {rid for rid, *_ in requests}
         while left:
             message = self._receive()
             if message[0] != "out":
                 continue
             for out in message[2]:
-                if _apply(results[out.request_id], out, bar):
-                    left -= 1
+                if out.finished:
+                    left.discard(out.request_id)
+                    self._owner.pop(out.request_id, None)
+                yield out
 
     def rebalance(self) -> None:
-        """Ask a spawned unit to re-place its experts from recent loads before its next step."""
+        """Re-place the unit's experts from recent loads before its next step."""
         if self._procs:
             for inbox in self._inboxes:
                 inbox.put(("rebalance",))
