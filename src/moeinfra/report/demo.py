@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moeinfra.report import (
+    engine_section,
     eplb_section,
     moe_section,
     pipeline_section,
@@ -22,6 +23,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("Pipeline", pipeline_section.build),
     ("Trace", trace_section.build),
     ("MoE", moe_section.build),
+    ("Engine", engine_section.build),
     ("Serving", serving_section.build),
 ]
 
