@@ -43,7 +43,7 @@ def _prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
 def engine_scaling(llm: LLM, batches: list[int], reps: int) -> list[dict]:
     rows = []
     for batch in batches:
-        decode, prefill, overhead = [], [], []
+        decode, prefill, overhead, step, head = [], [], [], [], []
         for _ in range(reps):
             core = llm._core
             core.stats.clear()
@@ -55,14 +55,16 @@ def engine_scaling(llm: LLM, batches: list[int], reps: int) -> list[dict]:
             decode.append(sum(s.decode_tokens for s in dec) / sum(s.total_s for s in dec))
             prefill.append(sum(s.prefill_tokens for s in pre) / sum(s.total_s for s in pre))
             overhead.append(statistics.median(s.overhead_s / s.total_s for s in dec))
-            step_ms = statistics.median(s.total_s for s in dec) * 1e3
+            step.append(statistics.median(s.total_s for s in dec) * 1e3)
+            head.append(statistics.median(s.sample_s for s in dec) * 1e3)
         rows.append(
             {
                 "batch": batch,
                 "decode": statistics.median(decode),
                 "prefill": statistics.median(prefill),
                 "overhead": statistics.median(overhead),
-                "step_ms": step_ms,
+                "step_ms": statistics.median(step),
+                "head_ms": statistics.median(head),
             }
         )
     return rows
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[2.0, 5.0])
+    parser.add_argument("--scaling-only", action="store_true", help="only the batch-size table")
     args = parser.parse_args(argv)
     model_dir = default_model()
     llm = LLM(
@@ -166,13 +169,18 @@ def main(argv: list[str] | None = None) -> None:
         f"checkpoint {model_dir}, float32, torch threads {torch.get_num_threads()}, "
         f"medians of {args.reps}\n"
     )
-    print("| batch | decode tok/s | prefill tok/s | decode step (ms) | engine overhead |")
-    print("|---|---|---|---|---|")
+    print(
+        "| batch | decode tok/s | prefill tok/s | decode step (ms) | of which LM head + sampling "
+        "(ms) | engine overhead |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in engine_scaling(llm, args.batches, args.reps):
         print(
             f"| {r['batch']} | {r['decode']:,.0f} | {r['prefill']:,.0f} | {r['step_ms']:.1f} | "
-            f"{r['overhead']:.1%} |"
+            f"{r['head_ms']:.1f} | {r['overhead']:.1%} |"
         )
+    if args.scaling_only:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         bpe_dir = init_tiny(Path(tmp) / "tiny-bpe", tokenizer="bpe")
         for name, path in (
