@@ -233,4 +233,7 @@ def test_spawned_unit_streams_aborts_and_rebalances_on_request(tiny_path, prompt
             assert [t for d in deltas[i] for t in d.new_token_ids] == reference[i][:8]
         llm.rebalance()  # applied by every rank before its next step
         again = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+        # one request: the other rank has nothing, yet joins every dispatch and combine
+        alone = llm.generate([prompt_ids[3]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [r[:8] for r in reference]
+    assert alone[0].outputs[0].token_ids == reference[3][:8]
