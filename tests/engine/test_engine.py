@@ -237,3 +237,15 @@ def test_spawned_unit_streams_aborts_and_rebalances_on_request(tiny_path, prompt
         alone = llm.generate([prompt_ids[3]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [r[:8] for r in reference]
     assert alone[0].outputs[0].token_ids == reference[3][:8]
+
+
+def test_a_stream_left_early_aborts_its_requests_and_does_not_leak_into_the_next_call(
+    tiny_path, prompt_ids, reference
+):
+    llm = LLM(tiny_path)
+    stream = llm.stream(prompt_ids, GREEDY)
+    next(stream)
+    stream.close()  # the caller stops reading
+    assert not llm._core.requests and llm._core.blocks.num_used_blocks == 0
+    outputs = llm.generate(prompt_ids[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [r[:8] for r in reference[:2]]

@@ -269,13 +269,31 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, requests) -> Iterator[StepOutput]:
-        """Submit ``requests`` and yield every step output of this process's share until done."""
-        if self._procs:
-            yield from self._run_spawned(requests)
-            return
+        """Submit ``requests``; yield the step outputs of this process's share until they finish.
+
+        Leaving early (a stream the caller stops reading, an exception) aborts what is left, and
+        outputs of requests from an earlier, abandoned call are dropped."""
         core = self._core
-        world, rank = core.comm.world_size, core.comm.rank
-        for rid, _, ids, params in requests[rank::world]:
+        mine = requests if core is None else requests[core.comm.rank :: core.comm.world_size]
+        pending = {rid for rid, *_ in mine}
+        outputs = self._outputs_spawned(mine) if self._procs else self._outputs_local(mine)
+        try:
+            for out in outputs:
+                if out.request_id not in pending:
+                    continue
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
+                # ranks of a torchrun unit keep stepping with the others until no rank has work
+                if not pending and (core is None or core.comm.world_size == 1):
+                    return
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+    def _outputs_local(self, requests) -> Iterator[StepOutput]:
+        core = self._core
+        for rid, _, ids, params in requests:
             core.add_request(rid, ids, params)
         while True:
             while self._aborted:
@@ -285,21 +303,19 @@ class LLM:
                 return
             yield from core.step(core.overlap_mode(prefill))
 
-    def _run_spawned(self, requests) -> Iterator[StepOutput]:
+    def _outputs_spawned(self, requests) -> Iterator[StepOutput]:
         outstanding = [0] * self.ranks  # tokens to prefill and decode per rank
         for rid, _, ids, params in requests:
             rank = min(range(self.ranks), key=lambda r: (outstanding[r], r))
             outstanding[rank] += len(ids) + (params.max_tokens or 0)
             self._owner[rid] = rank
             self._inboxes[rank].put(("add", rid, ids, params))
-        left = {rid for rid, *_ in requests}
-        while left:
+        while True:
             message = self._receive()
             if message[0] != "out":
                 continue
             for out in message[2]:
                 if out.finished:
-                    left.discard(out.request_id)
                     self._owner.pop(out.request_id, None)
                 yield out
 
