@@ -93,3 +93,15 @@ def test_prefill_balancer_fuzz(lengths, ranks):
     assert np.all((placed.rank >= 0) & (placed.rank < ranks))
     assert set(np.unique(placed.micro_batch)) <= {0, 1}
     assert placed.rank_tokens.sum() == (inputs - cached).sum()
+
+
+def test_prefill_balancer_counts_work_already_queued_on_ranks():
+    balancer = PrefillLoadBalancer(num_ranks=3, max_piece_tokens=10_000)
+    busy = np.array([5e6, 0.0, 4e6]), np.array([3000.0, 0.0, 2500.0])
+    one = balancer.assign([1000], [0], rank_attention=busy[0], rank_tokens=busy[1])
+    assert set(one.rank.tolist()) == {1}  # the idle rank, whatever its index
+    two = balancer.assign([1000, 1000], [0, 0], rank_attention=busy[0], rank_tokens=busy[1])
+    assert set(two.rank.tolist()) == {1}  # still below the others after the first
+    assert one.rank_tokens.tolist() == [0.0, 1000.0, 0.0]  # totals count the new work only
+    with pytest.raises(InputError, match="rank_attention"):
+        balancer.assign([10], [0], rank_attention=[1.0, 2.0])

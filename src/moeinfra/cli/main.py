@@ -16,6 +16,7 @@ from moeinfra.cli import eplb as eplb_cli
 from moeinfra.cli import moe as moe_cli
 from moeinfra.cli import pipeline as pipeline_cli
 from moeinfra.cli import serve as serve_cli
+from moeinfra.cli import serve_live
 from moeinfra.cli import trace as trace_cli
 
 app = typer.Typer(
@@ -29,6 +30,7 @@ app.add_typer(engine_cli.app, name="engine")
 app.add_typer(eplb_cli.app, name="eplb")
 app.add_typer(moe_cli.app, name="moe")
 app.add_typer(pipeline_cli.app, name="pipeline")
+serve_live.register(serve_cli.app)
 app.add_typer(serve_cli.app, name="serve")
 app.add_typer(trace_cli.app, name="trace")
 

@@ -25,7 +25,7 @@ from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
-from moeinfra.engine.sequence import Sequence, Status
+from moeinfra.engine.sequence import Preloaded, Sequence, Status
 from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
@@ -103,6 +103,22 @@ def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
         )
 
 
+@dataclass
+class Handoff:
+    """A prefill-only request after its first token: what its decode unit needs to go on.
+
+    ``kv [layers, prompt tokens, values]``: the prompt's KV in the cache layout; ``target``: the
+    ``handoff`` the request was added with."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    kv: torch.Tensor
+    num_cached_tokens: int
+    target: object
+
+
 @dataclass(frozen=True)
 class StepStats:
     """One step of one rank: tokens run (prompt / recompute vs. one-token decode), queue sizes
@@ -158,6 +174,7 @@ class EngineCore:
         self.rebalances = 0
         self.load_window: deque[np.ndarray] = deque(maxlen=self.config.eplb_window)
         self.stats: deque[StepStats] = deque(maxlen=4096)
+        self.handoffs: list[Handoff] = []
         self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
         for layer in self.model.moe:
             layer.record_load = True
@@ -182,9 +199,22 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        output_ids: list[int] | None = None,
+        preloaded: Preloaded | None = None,
+        handoff: object = None,
     ) -> None:
-        """Queue a request of this rank (``prompt_ids`` already tokenised)."""
+        """Queue a request of this rank (``prompt_ids`` already tokenised).
+
+        A request prefilled elsewhere comes with the tokens it already generated (``output_ids``,
+        not emitted again) and the prompt's KV (``preloaded``); a prefix read from the on-disk cache
+        comes as ``preloaded`` alone. With ``handoff`` set, the request stops here after its first
+        token and its prompt KV is queued in :attr:`handoffs` for a decode unit.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InputError(f"request_id={request_id!r} is already running")
@@ -198,9 +228,16 @@ class EngineCore:
             stop_checker=StopChecker(params.stop, params.include_stop_str_in_output)
             if params.stop
             else None,
+            preloaded=preloaded,
+            handoff=handoff,
         )
+        detok = DetokenizeStream(self.tokenizer)
+        if output_ids:
+            seq.output_ids = list(output_ids)
+            text = detok.push(output_ids)
+            seq.text = seq.stop_checker.check(text)[0] if seq.stop_checker else text
         self.requests[request_id] = seq
-        self._detok[request_id] = DetokenizeStream(self.tokenizer)
+        self._detok[request_id] = detok
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> StepOutput | None:
@@ -240,6 +277,9 @@ class EngineCore:
             outputs.append(self._output(seq, [], ""))
         if overlap is None:
             overlap = self.overlap_mode(any(c.length > 1 for c in scheduled))
+        for c in scheduled:
+            if c.seq.preloaded is not None:
+                self._write_preloaded(c.seq, c.start)
         segments = [Segment(c.seq.seq_id, c.start, c.length) for c in scheduled]
         ids = []
         for c in scheduled:
@@ -282,6 +322,8 @@ class EngineCore:
             sample_s = time.perf_counter() - sample_began
             for seq, token in zip(seqs, tokens, strict=True):
                 outputs.append(self._append(seq, token))
+                if seq.handoff is not None and not seq.finished:
+                    self._hand_off(seq)
         self.stats.append(
             StepStats(
                 prefill_tokens=sum(
@@ -305,6 +347,32 @@ class EngineCore:
             cached = (table, StepCache.slots_of(table, self.blocks.block_size))
             self._slot_cache[seq.seq_id] = cached
         return cached[1]
+
+    def _write_preloaded(self, seq: Sequence, end: int) -> None:
+        """Copy preloaded KV of positions ``write_from .. end - 1`` into ``seq``'s slots."""
+        pre = seq.preloaded
+        slots = self._slots(seq)[pre.write_from : end]
+        rows = pre.kv[:, pre.write_from - pre.start : end - pre.start]
+        self.cache.data[:, slots] = rows.to(self.cache.data.dtype)
+        seq.preloaded = None
+
+    def prompt_kv(self, seq: Sequence) -> torch.Tensor:
+        """``[layers, prompt tokens, values]`` copy of ``seq``'s prompt KV from the cache."""
+        return self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]].clone()
+
+    def _hand_off(self, seq: Sequence) -> None:
+        self.handoffs.append(
+            Handoff(
+                seq.request_id,
+                seq.prompt_ids,
+                list(seq.output_ids),
+                seq.params,
+                self.prompt_kv(seq),
+                seq.num_cached,
+                seq.handoff,
+            )
+        )
+        self._finish(seq, "handoff")
 
     def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule)."""

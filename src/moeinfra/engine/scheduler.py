@@ -3,7 +3,8 @@
 Every step has a token budget (``max_num_batched_tokens``). Running requests go first, each taking
 what it still needs — one token when decoding, the next chunk of its prompt when its prefill was cut
 (chunked prefill). Then waiting requests are admitted in arrival order, each starting after the
-blocks the prefix cache already holds, while the budget, ``max_num_seqs`` and free KV blocks allow.
+blocks the prefix cache already holds (and after KV preloaded from elsewhere: a prefill unit's
+transfer, the on-disk cache), while the budget, ``max_num_seqs`` and free KV blocks allow.
 
 Out of KV memory: a running request that cannot grow preempts the most recently admitted running
 request (its blocks are freed, it goes back to the front of the queue and is recomputed later —
@@ -87,16 +88,30 @@ class Scheduler:
                 rejected.append(seq)
                 continue
             cached = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids)
-            length = min(seq.num_tokens - cached, budget)
-            if not self.blocks.ensure_slots(seq.seq_id, cached + length):
+            start = self._preloaded_start(seq, cached)
+            length = min(seq.num_tokens - start, budget)
+            if not self.blocks.ensure_slots(seq.seq_id, start + length):
                 self.blocks.free(seq.seq_id)
                 break
             self.waiting.popleft()
-            seq.status, seq.num_computed, seq.num_cached = Status.RUNNING, cached, cached
+            seq.status, seq.num_computed, seq.num_cached = Status.RUNNING, start, start
             self.running.append(seq)
-            out.append(Scheduled(seq, cached, length))
+            out.append(Scheduled(seq, start, length))
             budget -= length
         return out, rejected
+
+    @staticmethod
+    def _preloaded_start(seq: Sequence, cached: int) -> int:
+        """Where computing starts: after the cached prefix, or after preloaded KV that continues it
+        (at least one token is always left to compute). Unusable preloaded KV is dropped."""
+        pre = seq.preloaded
+        if pre is None:
+            return cached
+        if not pre.start <= cached < pre.end:
+            seq.preloaded = None
+            return cached
+        pre.write_from = cached
+        return min(pre.end, seq.num_tokens - 1)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

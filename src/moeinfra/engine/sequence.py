@@ -10,6 +10,21 @@ import torch
 from moeinfra.engine.sampling import SamplingParams, StopChecker
 
 
+@dataclass
+class Preloaded:
+    """KV of positions ``start .. start + kv.shape[1] - 1`` computed elsewhere (a prefill unit, the
+    on-disk prefix cache): ``kv [layers, tokens, values]`` in the cache layout. Written into the
+    sequence's slots from ``write_from`` (what the in-memory prefix cache lacks) when it is admitted."""
+
+    start: int
+    kv: torch.Tensor
+    write_from: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.kv.shape[1]
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -23,7 +38,9 @@ class Sequence:
     ``num_computed``: leading tokens of ``token_ids`` whose KV is in the cache; the next step feeds
     ``token_ids[num_computed:]`` (or a chunk of it). ``num_cached``: prompt tokens that came from the
     prefix cache when the request was (last) admitted. ``text``: output text exposed so far (stop
-    strings withheld / cut).
+    strings withheld / cut). ``preloaded``: KV to write instead of computing (consumed at
+    admission). ``handoff``: where a prefill-only request's KV goes after its first token (opaque to
+    the engine; None: decode here).
     """
 
     seq_id: int
@@ -40,6 +57,8 @@ class Sequence:
     text: str = ""
     stop_checker: StopChecker | None = None
     preemptions: int = 0
+    preloaded: Preloaded | None = None
+    handoff: object = None
 
     @property
     def token_ids(self) -> list[int]:

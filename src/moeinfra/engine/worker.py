@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -83,37 +83,62 @@ def worker_main(
 IDLE_WAIT_S = (0.001, 0.01)  # an idle rank waits for messages this long, doubling while idle
 
 
-def _serve(core: EngineCore, inbox, outbox) -> None:
+def serve_loop(
+    core: EngineCore,
+    receive: Callable[[float | None], list[tuple]],
+    emit: Callable[[list[StepOutput]], None],
+    handle: Callable[[tuple], None] | None = None,
+) -> None:
+    """Run a rank until a shutdown agreed by every rank of the unit.
+
+    ``receive(timeout)`` returns the messages waiting (blocking up to ``timeout`` seconds when the
+    rank is idle, not at all when ``timeout`` is None): ``("add", request_id, prompt_ids, params,
+    **options)``-style tuples of kinds ``add``, ``abort``, ``rebalance``, ``shutdown``; any other
+    kind goes to ``handle``. ``emit(outputs)`` runs every iteration with the step's outputs (empty when
+    idle), so a caller can also ship what else the step produced (:attr:`EngineCore.handoffs`) and
+    report its state while idle.
+    """
     shutdown = rebalance = False
     wait = IDLE_WAIT_S[0]
     while True:
         idle = not core.has_work
         wait = min(2 * wait, IDLE_WAIT_S[1]) if idle else IDLE_WAIT_S[0]
-        while True:
-            try:
-                message = inbox.get(timeout=wait) if idle else inbox.get_nowait()
-            except queue.Empty:
-                break
-            idle = False
+        for message in receive(wait if idle else None):
             wait = IDLE_WAIT_S[0]
             kind = message[0]
             if kind == "add":
-                core.add_request(*message[1:])
+                core.add_request(*message[1:4], **(message[4] if len(message) > 4 else {}))
             elif kind == "abort":
                 out = core.abort(message[1])
                 if out is not None:
-                    outbox.put(("out", core.comm.rank, [out]))
+                    emit([out])
             elif kind == "rebalance":
                 rebalance = True
             elif kind == "shutdown":
                 shutdown = True
+            elif handle is not None:
+                handle(message)
         work, prefill, stop, balance = agree(core, shutdown, rebalance)
         if stop:
             return
         if balance:
             core.rebalance()
             rebalance = False
-        if work:
-            outputs = core.step(core.overlap_mode(prefill))
-            if outputs:
-                outbox.put(("out", core.comm.rank, outputs))
+        emit(core.step(core.overlap_mode(prefill)) if work else [])
+
+
+def _serve(core: EngineCore, inbox, outbox) -> None:
+    def receive(timeout: float | None) -> list[tuple]:
+        messages = []
+        try:
+            messages.append(inbox.get(timeout=timeout) if timeout else inbox.get_nowait())
+            while True:
+                messages.append(inbox.get_nowait())
+        except queue.Empty:
+            return messages
+
+    def emit(outputs: list[StepOutput]) -> None:
+        if outputs:
+            outbox.put(("out", core.comm.rank, outputs))
+
+    serve_loop(core, receive, emit)

@@ -128,14 +128,29 @@ class PrefillLoadBalancer:
             )
         self.num_ranks, self.max_piece = num_ranks, max_piece_tokens
 
-    def assign(self, input_tokens, cached_tokens) -> PrefillAssignment:
-        """Place ``[n]`` requests (prompt lengths and cache-hit prefixes) on the ranks."""
+    def assign(
+        self, input_tokens, cached_tokens, rank_attention=None, rank_tokens=None
+    ) -> PrefillAssignment:
+        """Place ``[n]`` requests (prompt lengths and cache-hit prefixes) on the ranks.
+
+        ``rank_attention``/``rank_tokens`` ``[ranks]``: work the ranks already have queued (a live
+        server's state; default none). The returned per-rank totals count only the new pieces."""
         inputs, cached = _check_prompts(input_tokens, cached_tokens)
         request, offset, length, attn = _pieces(inputs, cached, self.max_piece)
-        mean_a = max(attn.sum() / self.num_ranks, 1e-300)
-        mean_t = max(length.sum() / self.num_ranks, 1e-300)
+        base_a, base_t = (
+            np.zeros(self.num_ranks) if x is None else np.asarray(x, dtype=np.float64)
+            for x in (rank_attention, rank_tokens)
+        )
+        if base_a.shape != (self.num_ranks,) or base_t.shape != (self.num_ranks,):
+            raise InputError(f"rank_attention and rank_tokens must have shape ({self.num_ranks},)")
+        mean_a = max((attn.sum() + base_a.sum()) / self.num_ranks, 1e-300)
+        mean_t = max((length.sum() + base_t.sum()) / self.num_ranks, 1e-300)
         rank = np.empty(request.size, dtype=np.int64)
-        heap = [(0.0, r, 0.0, 0.0) for r in range(self.num_ranks)]
+        heap = [
+            (base_a[r] / mean_a + base_t[r] / mean_t, r, base_a[r], base_t[r])
+            for r in range(self.num_ranks)
+        ]
+        heapq.heapify(heap)
         order = np.argsort(-(attn / mean_a + length / mean_t), kind="stable")
         for i in order:
             _, r, a, t = heapq.heappop(heap)

@@ -1,0 +1,190 @@
+"""``moeinfra serve up`` / ``serve unit``: the running inference system (see moeinfra.server)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+
+def _engine_config(
+    num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens, dtype, redundant, eplb, overlap
+):
+    from moeinfra.engine.core import EngineConfig
+
+    return EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        dtype=dtype,
+        redundant_experts=redundant,
+        eplb_interval=eplb or None,
+        overlap=overlap,
+    )
+
+
+_MODEL = typer.Option(
+    None, "--model", "-m", help="Checkpoint folder (default: the built-in tiny one)."
+)
+_BLOCKS = typer.Option(512, "--num-kv-blocks", help="KV blocks per rank.")
+_BLOCK = typer.Option(64, "--block-size", help="Tokens per KV block.")
+_SEQS = typer.Option(256, "--max-num-seqs", help="Requests per rank batch.")
+_TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Tokens per rank step.")
+_DTYPE = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+_REDUNDANT = typer.Option(0, "--redundant-experts", help="Extra expert slots per unit (EPLB).")
+_EPLB = typer.Option(0, "--eplb-interval", help="Rebalance experts every N steps (0: never).")
+_CACHE_BYTES = typer.Option(1 << 30, "--kv-cache-bytes", help="Byte cap of the on-disk KV cache.")
+_OVERLAP = typer.Option("auto", "--overlap", help="auto, none, prefill or decode.")
+_DELAY = typer.Option(0.0, "--comm-delay", help="Injected seconds per all-to-all payload.")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``up`` and ``unit`` to the ``serve`` command group."""
+
+    @app.command()
+    def up(
+        model: Path | None = _MODEL,
+        host: str = typer.Option("127.0.0.1", "--host", help="HTTP address to listen on."),
+        port: int = typer.Option(8000, "--port", help="HTTP port (0: any free port)."),
+        prefill_units: int = typer.Option(1, "--prefill-units"),
+        prefill_ranks: int = typer.Option(
+            2, "--prefill-ranks", help="Ranks (EP) per prefill unit."
+        ),
+        decode_units: int = typer.Option(1, "--decode-units"),
+        decode_ranks: int = typer.Option(2, "--decode-ranks", help="Ranks (EP) per decode unit."),
+        colocated_units: int = typer.Option(
+            0, "--colocated-units", help="Units doing prefill and decode (no hand-off)."
+        ),
+        colocated_ranks: int = typer.Option(2, "--colocated-ranks"),
+        control: str = typer.Option(
+            "tcp://127.0.0.1:0",
+            "--control",
+            help="ZeroMQ address units connect to (port 0: any; use a routable host for units "
+            "on other machines).",
+        ),
+        kv_host: str = typer.Option(
+            "127.0.0.1", "--kv-host", help="Address local decode ranks receive KV on."
+        ),
+        kv_cache_dir: Path | None = typer.Option(
+            None, "--kv-cache-dir", help="On-disk prefix KV cache shared by prefill units."
+        ),
+        kv_cache_bytes: int = _CACHE_BYTES,
+        served_model_name: str | None = typer.Option(
+            None, "--served-model-name", help="Model id in the API (default: folder name)."
+        ),
+        max_queue: int = typer.Option(
+            64, "--max-queue", help="Requests admitted beyond the decode slots before 503."
+        ),
+        max_model_len: int | None = typer.Option(
+            None, "--max-model-len", help="Prompt + output tokens per request."
+        ),
+        drain_timeout: float = typer.Option(
+            30.0, "--drain-timeout", help="Seconds running requests get to finish on shutdown."
+        ),
+        num_kv_blocks: int = _BLOCKS,
+        block_size: int = _BLOCK,
+        max_num_seqs: int = _SEQS,
+        max_num_batched_tokens: int = _TOKENS,
+        dtype: str = _DTYPE,
+        redundant_experts: int = _REDUNDANT,
+        eplb_interval: int = _EPLB,
+        overlap: str = _OVERLAP,
+        comm_delay: float = _DELAY,
+    ) -> None:
+        """Serve a checkpoint behind an OpenAI-compatible API with prefill/decode units."""
+        from moeinfra.server.launch import ServeOptions, serve
+
+        options = ServeOptions(
+            model=model,
+            host=host,
+            port=port,
+            prefill_units=prefill_units,
+            prefill_ranks=prefill_ranks,
+            decode_units=decode_units,
+            decode_ranks=decode_ranks,
+            colocated_units=colocated_units,
+            colocated_ranks=colocated_ranks,
+            control=control,
+            kv_host=kv_host,
+            kv_cache_dir=kv_cache_dir,
+            kv_cache_bytes=kv_cache_bytes,
+            engine=_engine_config(
+                num_kv_blocks,
+                block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
+                dtype,
+                redundant_experts,
+                eplb_interval,
+                overlap,
+            ),
+            served_model_name=served_model_name,
+            max_queue=max_queue,
+            max_model_len=max_model_len,
+            drain_timeout_s=drain_timeout,
+            comm_delay_s=comm_delay,
+        )
+        code = serve(options, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        raise typer.Exit(code)
+
+    @app.command()
+    def unit(
+        server: str = typer.Option(..., "--server", help="The server's control address."),
+        role: str = typer.Option(..., "--role", help="prefill, decode or colocated."),
+        ranks: int = typer.Option(2, "--ranks", help="Ranks (EP degree) of this unit."),
+        model: Path | None = _MODEL,
+        kv_host: str = typer.Option(
+            "127.0.0.1", "--kv-host", help="This host's address for incoming KV (decode)."
+        ),
+        kv_cache_dir: Path | None = typer.Option(None, "--kv-cache-dir"),
+        kv_cache_bytes: int = _CACHE_BYTES,
+        unit_id: str | None = typer.Option(None, "--unit-id", help="Default: role-random."),
+        parent_pid: int | None = typer.Option(
+            None, "--parent-pid", help="Exit when this process is gone."
+        ),
+        num_kv_blocks: int = _BLOCKS,
+        block_size: int = _BLOCK,
+        max_num_seqs: int = _SEQS,
+        max_num_batched_tokens: int = _TOKENS,
+        dtype: str = _DTYPE,
+        redundant_experts: int = _REDUNDANT,
+        eplb_interval: int = _EPLB,
+        overlap: str = _OVERLAP,
+        comm_delay: float = _DELAY,
+    ) -> None:
+        """Run one unit of engine ranks that joins a running server (on this or another host)."""
+        import uuid
+
+        from moeinfra.engine.tiny import default_model
+        from moeinfra.errors import InputError
+        from moeinfra.server.unit import ROLES, UnitSpec, run_unit
+
+        if role not in ROLES:
+            raise InputError(f"--role={role!r} must be one of {', '.join(ROLES)}")
+        if ranks < 1:
+            raise InputError(f"--ranks={ranks} must be >= 1")
+        model_dir = model if model is not None else default_model()
+        spec = UnitSpec(
+            unit_id=unit_id or f"{role}-{uuid.uuid4().hex[:6]}",
+            role=role,
+            ranks=ranks,
+            server=server,
+            model_dir=str(model_dir),
+            engine=_engine_config(
+                num_kv_blocks,
+                block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
+                dtype,
+                redundant_experts,
+                eplb_interval,
+                overlap,
+            ),
+            kv_host=kv_host,
+            disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,
+            disk_cache_bytes=kv_cache_bytes,
+            comm_delay_s=comm_delay,
+        )
+        raise typer.Exit(run_unit(spec, parent_pid=parent_pid))

@@ -1,0 +1,185 @@
+"""The on-disk prefix KV cache (DeepSeek's lives on 3FS): content-hashed blocks in a directory.
+
+A block is the KV of ``block_size`` prompt tokens, named by the chained BLAKE2b digest of the
+prompt up to and including it (:func:`~moeinfra.engine.kv_blocks.block_hashes`), so equal names
+mean equal prefixes. Blocks sit under a namespace per model fingerprint (config, dtype, block size,
+layout), so two checkpoints never share one. Every prefill unit on the host (or on a shared file
+system) reads and writes the same directory; it survives restarts.
+
+A file is ``MAGIC | crc32 | payload``, written to a temporary name and renamed into place, so a
+reader sees a whole block or none; a block whose size or checksum is wrong (a torn copy, a disk
+error) is deleted and counted as a miss. A read refreshes the block's mtime; when the directory
+passes its byte cap, the least recently used blocks go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moeinfra.engine.kv_blocks import block_hashes
+from moeinfra.engine.sequence import Preloaded
+from moeinfra.errors import InputError
+
+MAGIC = b"MOEKV001"
+_HEADER = struct.Struct("<8sI")
+
+
+def model_fingerprint(config_json: bytes, dtype: torch.dtype, block_size: int, shape) -> str:
+    """Hex digest naming the cache namespace of a model, cache dtype, block size and layout."""
+    h = hashlib.blake2b(config_json, digest_size=12)
+    h.update(f"{dtype}|{block_size}|{tuple(shape)}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class DiskStats:
+    """Counters of one process's use of the cache (tokens and blocks)."""
+
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    written_blocks: int = 0
+    corrupt_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+class DiskKVCache:
+    """Prefix KV blocks of one model in ``root/<fingerprint>/``, at most ``capacity_bytes`` in all.
+
+    ``layers``, ``values``: the cache layout (a block is ``[layers, block_size, values]`` of
+    ``dtype``).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        fingerprint: str,
+        block_size: int,
+        layers: int,
+        values: int,
+        dtype: torch.dtype,
+        capacity_bytes: int,
+    ) -> None:
+        if capacity_bytes < 1:
+            raise InputError(f"capacity_bytes={capacity_bytes} must be >= 1")
+        self.dir = Path(root) / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.block_size, self.layers, self.values, self.dtype = block_size, layers, values, dtype
+        self.capacity_bytes = capacity_bytes
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.payload_bytes = layers * block_size * values * itemsize
+        self.file_bytes = _HEADER.size + self.payload_bytes
+        self.stats = DiskStats()
+        self._approx_bytes = self._scan_bytes()
+
+    def _path(self, digest: bytes) -> Path:
+        name = digest.hex()
+        return self.dir / name[:2] / f"{name}.kv"
+
+    def _scan_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*/*.kv"))
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens a lookup would find (files present; contents not read)."""
+        n = 0
+        for digest in block_hashes(token_ids[: len(token_ids) - 1], self.block_size):
+            if not self._path(digest).exists():
+                break
+            n += self.block_size
+        return n
+
+    def lookup(self, token_ids: list[int], skip_tokens: int = 0) -> Preloaded | None:
+        """KV of the longest run of cached blocks starting the prompt (leaving >= 1 token to
+        compute), from token ``skip_tokens`` (a multiple of the block size already held
+        elsewhere) on; None when the disk adds nothing."""
+        digests = block_hashes(token_ids[: len(token_ids) - 1], self.block_size)
+        first = skip_tokens // self.block_size
+        blocks = []
+        for digest in digests[first:]:
+            block = self._read(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        self.stats.queried_tokens += len(token_ids)
+        if not blocks:
+            return None
+        self.stats.hit_tokens += len(blocks) * self.block_size
+        kv = torch.cat(blocks, dim=1)
+        return Preloaded(first * self.block_size, kv)
+
+    def _read(self, digest: bytes) -> torch.Tensor | None:
+        path = self._path(digest)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        magic, crc = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (b"", 0)
+        payload = memoryview(data)[_HEADER.size :]
+        if len(data) != self.file_bytes or magic != MAGIC or zlib.crc32(payload) != crc:
+            self.stats.corrupt_blocks += 1
+            path.unlink(missing_ok=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recency for LRU eviction
+        array = np.frombuffer(payload, dtype=np.uint8).copy()
+        flat = torch.from_numpy(array).view(self.dtype)
+        return flat.view(self.layers, self.block_size, self.values)
+
+    def store(self, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Write every full block of the prompt ``token_ids`` (KV ``[layers, >= tokens, values]``)
+        that is not on disk yet; returns how many blocks were written."""
+        written = 0
+        for i, digest in enumerate(block_hashes(token_ids, self.block_size)):
+            path = self._path(digest)
+            if path.exists():
+                continue
+            block = kv[:, i * self.block_size : (i + 1) * self.block_size].contiguous()
+            payload = block.view(torch.uint8).numpy().tobytes()
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, zlib.crc32(payload)))
+                f.write(payload)
+            os.replace(tmp, path)
+            written += 1
+            self._approx_bytes += self.file_bytes
+        self.stats.written_blocks += written
+        if self._approx_bytes > self.capacity_bytes:
+            self.evict()
+        return written
+
+    def evict(self) -> int:
+        """Delete least recently used blocks until the directory is under 90% of its cap (the
+        whole directory: other processes' blocks count too); returns blocks deleted."""
+        files = []
+        for p in self.dir.glob("*/*.kv"):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        goal = int(self.capacity_bytes * 0.9)
+        deleted = 0
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= goal:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            deleted += 1
+        self._approx_bytes = total
+        self.stats.evicted_blocks += deleted
+        return deleted
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of blocks in the directory now."""
+        return self._scan_bytes()

@@ -1,0 +1,113 @@
+"""KV hand-off from a prefill rank to a decode rank over ZeroMQ.
+
+Why ZeroMQ: the transfer must run while the prefill rank computes its next batch. A ZeroMQ ``PUSH``
+socket queues the message and its I/O thread sends it in the background (``copy=False`` hands the
+tensor's memory over without a copy), so the prefill loop never waits on the network; multipart
+messages keep the blocks as separate frames; and it is the same TCP transport across hosts as on
+one. torch.distributed point-to-point would need every prefill and decode rank in one process group
+(fixed at start, so units could not come and go) and blocks the caller unless used with ``isend``
+and a matching ``irecv`` posted in advance.
+
+A message is ``[header, block 0, block 1, ...]``: the header (pickled) names the request, its
+prompt and first tokens, sampling parameters, the tensor layout, and the CRC-32 of every block;
+each block frame is ``[layers, <= block_size tokens, values]`` of the cache dtype. The receiver
+checks the block count, every frame's size and checksum before the request may start decoding.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeinfra.engine.core import Handoff
+from moeinfra.engine.sampling import SamplingParams
+from moeinfra.engine.sequence import Preloaded
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+class TransferError(ValueError):
+    """A hand-off message that failed verification (what was wrong, which request)."""
+
+    def __init__(self, request_id: str, problem: str) -> None:
+        super().__init__(f"request {request_id}: {problem}")
+        self.request_id = request_id
+
+
+@dataclass
+class Arrival:
+    """A verified hand-off: what :meth:`~moeinfra.engine.core.EngineCore.add_request` needs."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    preloaded: Preloaded
+    num_cached_tokens: int
+    nbytes: int
+
+
+def pack(handoff: Handoff, block_size: int) -> list:
+    """Frames of one hand-off (the KV frames share the tensor's memory)."""
+    kv = handoff.kv.contiguous()
+    layers, tokens, values = kv.shape
+    raw = kv.view(torch.uint8).numpy().reshape(layers, tokens, -1)
+    blocks = [
+        np.ascontiguousarray(raw[:, s : s + block_size]) for s in range(0, tokens, block_size)
+    ]
+    header = {
+        "request_id": handoff.request_id,
+        "prompt_ids": handoff.prompt_ids,
+        "output_ids": handoff.output_ids,
+        "params": handoff.params,
+        "num_cached_tokens": handoff.num_cached_tokens,
+        "shape": (layers, tokens, values),
+        "dtype": str(kv.dtype),
+        "block_size": block_size,
+        "crc32": [zlib.crc32(b) for b in blocks],
+    }
+    return [pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL), *blocks]
+
+
+def unpack(frames: list, layers: int, values: int, dtype: torch.dtype) -> Arrival:
+    """Verify and decode a hand-off received as ``frames`` (bytes-like); raises
+    :class:`TransferError` naming the request and what was wrong."""
+    header = pickle.loads(frames[0])
+    rid = header["request_id"]
+    blocks = frames[1:]
+    shape, bs = tuple(header["shape"]), header["block_size"]
+    if shape[0] != layers or shape[2] != values or header["dtype"] != str(dtype):
+        raise TransferError(
+            rid,
+            f"KV layout {shape} {header['dtype']} does not match this unit's "
+            f"({layers}, tokens, {values}) {dtype}",
+        )
+    tokens = shape[1]
+    if tokens != len(header["prompt_ids"]):
+        raise TransferError(rid, f"KV for {tokens} tokens, prompt has {len(header['prompt_ids'])}")
+    expected = -(-tokens // bs)
+    if len(blocks) != expected or len(header["crc32"]) != expected:
+        raise TransferError(rid, f"{len(blocks)} KV blocks arrived, {expected} expected")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    parts = []
+    for i, (block, crc) in enumerate(zip(blocks, header["crc32"], strict=True)):
+        n = min(bs, tokens - i * bs)
+        buf = memoryview(block)
+        if buf.nbytes != layers * n * values * itemsize or zlib.crc32(buf) != crc:
+            raise TransferError(rid, f"KV block {i} is damaged (size or checksum)")
+        parts.append(np.frombuffer(buf, dtype=np.uint8).reshape(layers, n, values * itemsize))
+    raw = np.concatenate(parts, axis=1)
+    kv = torch.from_numpy(raw).view(dtype).reshape(layers, tokens, values)
+    return Arrival(
+        rid,
+        list(header["prompt_ids"]),
+        list(header["output_ids"]),
+        header["params"],
+        Preloaded(0, kv),
+        header["num_cached_tokens"],
+        raw.nbytes,
+    )

@@ -1,0 +1,260 @@
+"""``moeinfra serve up``: the API server, its router and balancers, and the local units.
+
+Every unit is its own process group of engine ranks started with the same command a user runs on
+another host (``moeinfra serve unit --server tcp://HOST:PORT ...``), so a server with no local
+units (``--prefill-units 0 --decode-units 0``) serves whatever units join it.
+
+SIGINT / SIGTERM drain: uvicorn stops accepting connections and lets the requests in progress finish
+(up to ``drain_timeout_s``); then what is left ends with an error, every unit is told to stop and
+waited for (killed after ``wait_s``), and the sockets close. Local units also exit if the server
+process disappears without draining (they watch its pid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from moeinfra.engine.core import EngineConfig
+from moeinfra.errors import InputError
+
+
+@dataclass
+class ServeOptions:
+    """Everything ``serve up`` takes (see ``moeinfra serve up --help``)."""
+
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_units: int = 1
+    prefill_ranks: int = 2
+    decode_units: int = 1
+    decode_ranks: int = 2
+    colocated_units: int = 0
+    colocated_ranks: int = 2
+    control: str = "tcp://127.0.0.1:0"
+    kv_host: str = "127.0.0.1"
+    kv_cache_dir: Path | None = None
+    kv_cache_bytes: int = 1 << 30
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    max_queue: int = 64
+    max_model_len: int | None = None
+    start_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    unit_timeout_s: float = 10.0
+    comm_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_units", "decode_units", "colocated_units"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 0")
+        for name in ("prefill_ranks", "decode_ranks", "colocated_ranks"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise InputError(f"--port={self.port} must be in 0..65535")
+        if self.prefill_units and not self.decode_units:
+            raise InputError(
+                f"--prefill-units={self.prefill_units} needs --decode-units >= 1 to hand off to"
+            )
+        if self.max_queue < 0:
+            raise InputError(f"--max-queue={self.max_queue} must be >= 0")
+
+
+def unit_command(
+    role: str,
+    ranks: int,
+    server: str,
+    options: ServeOptions,
+    model_dir: Path,
+    unit_id: str | None = None,
+    parent_pid: int | None = None,
+) -> list[str]:
+    """The ``moeinfra serve unit`` command line of a unit (what runs on another host, too)."""
+    cmd = [sys.executable, "-m", "moeinfra.cli", "serve", "unit"]
+    cmd += ["--server", server, "--role", role, "--ranks", str(ranks), "--model", str(model_dir)]
+    cmd += ["--kv-host", options.kv_host]
+    if unit_id:
+        cmd += ["--unit-id", unit_id]
+    if parent_pid:
+        cmd += ["--parent-pid", str(parent_pid)]
+    if options.kv_cache_dir is not None and role != "decode":
+        cmd += ["--kv-cache-dir", str(options.kv_cache_dir)]
+        cmd += ["--kv-cache-bytes", str(options.kv_cache_bytes)]
+    if options.comm_delay_s:
+        cmd += ["--comm-delay", str(options.comm_delay_s)]
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        value = getattr(options.engine, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        if f.name not in UNIT_ENGINE_FLAGS:
+            raise InputError(f"engine option {f.name}={value!r} cannot be passed to a unit")
+        cmd += ["--" + f.name.replace("_", "-"), str(value)]
+    return cmd
+
+
+#: Engine options ``moeinfra serve unit`` takes as flags (the others keep their defaults).
+UNIT_ENGINE_FLAGS = (
+    "block_size",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "dtype",
+    "redundant_experts",
+    "eplb_interval",
+    "overlap",
+)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise InputError(
+            f"--port={port}: cannot listen on {host}:{port} ({err.strerror})"
+        ) from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(options: ServeOptions, announce=print) -> int:
+    """Run the server until SIGINT/SIGTERM; returns an exit code. ``announce(line)`` gets the
+    ready line (with the real port) and the shutdown summary."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from moeinfra.engine.hf_config import read_config
+    from moeinfra.engine.registry import architecture
+    from moeinfra.engine.tiny import default_model
+    from moeinfra.engine.tokenizer import Tokenizer
+    from moeinfra.server.api import ServerLimits, create_app
+    from moeinfra.server.metrics import ServerMetrics
+    from moeinfra.server.router import Router
+    from moeinfra.server.unit import config_digest
+
+    model_dir = Path(options.model) if options.model is not None else default_model()
+    raw = read_config(model_dir)
+    source = str(model_dir / "config.json")
+    model_config = architecture(raw["model_type"], source).parse_config(raw, source)
+    tokenizer = Tokenizer(model_dir)
+    engine = options.engine
+    per_rank_tokens = engine.num_kv_blocks * engine.block_size
+    max_model_len = options.max_model_len or min(
+        model_config.max_position_embeddings, per_rank_tokens
+    )
+    if max_model_len > per_rank_tokens:
+        raise InputError(
+            f"--max-model-len={max_model_len} exceeds one rank's KV cache ({per_rank_tokens} "
+            "tokens = --num-kv-blocks x --block-size)"
+        )
+    name = options.served_model_name or model_dir.name
+    metrics = ServerMetrics()
+    router = Router(
+        options.control,
+        config_digest(model_dir),
+        max_queue=options.max_queue,
+        unit_timeout_s=options.unit_timeout_s,
+        metrics=metrics,
+    )
+    cache_probe = None
+    if options.kv_cache_dir is not None:
+        cache_probe = _disk_probe(options, model_dir, model_config, engine)
+    listener = _listen(options.host, options.port)
+    port = listener.getsockname()[1]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        try:
+            for role, count, ranks in (
+                ("prefill", options.prefill_units, options.prefill_ranks),
+                ("decode", options.decode_units, options.decode_ranks),
+                ("colocated", options.colocated_units, options.colocated_ranks),
+            ):
+                for _ in range(count):
+                    unit_id = f"{role}-{uuid.uuid4().hex[:6]}"
+                    cmd = unit_command(
+                        role,
+                        ranks,
+                        router.control_address,
+                        options,
+                        model_dir,
+                        unit_id,
+                        os.getpid(),
+                    )
+                    proc = subprocess.Popen(cmd, start_new_session=True)
+                    router.expect_unit(unit_id, role, ranks, proc)
+            await router.wait_ready(options.start_timeout_s)
+        except BaseException:
+            await router.shutdown()
+            raise
+        units = ", ".join(f"{u.role} {u.unit_id} x{u.num_ranks}" for u in router.units.values())
+        announce(
+            f"moeinfra serve: ready at http://{options.host}:{port}/v1 (model {name}; units: "
+            f"{units or 'none yet'}; control {router.control_address})"
+        )
+        yield
+        await router.shutdown()
+        announce("moeinfra serve: stopped (all units exited)")
+
+    limits = ServerLimits(max_model_len=max_model_len)
+    app = create_app(
+        router, tokenizer, name, limits, cache_probe=cache_probe, metrics=metrics, lifespan=lifespan
+    )
+    app.state.router = router
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=options.drain_timeout_s,
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    try:
+        asyncio.run(server.serve(sockets=[listener]))
+    finally:
+        listener.close()
+    return 0 if server.started else 1
+
+
+def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: EngineConfig):
+    """``prompt_ids -> tokens on disk`` for the prefill balancer (files present, not read)."""
+    from moeinfra.engine.core import DTYPES
+    from moeinfra.engine.registry import architecture
+    from moeinfra.server.disk_cache import DiskKVCache, model_fingerprint
+
+    arch = architecture(model_config.model_type, str(model_dir))
+    layout = arch.kv_layout(model_config, DTYPES[engine.dtype])
+    shape = (layout.num_layers, layout.values_per_token)
+    fingerprint = model_fingerprint(
+        (model_dir / "config.json").read_bytes(), layout.dtype, engine.block_size, shape
+    )
+    cache = DiskKVCache(
+        options.kv_cache_dir,
+        fingerprint,
+        engine.block_size,
+        shape[0],
+        shape[1],
+        layout.dtype,
+        options.kv_cache_bytes,
+    )
+    return cache.cached_tokens
+
+
+def options_dict(options: ServeOptions) -> dict:
+    """The options as plain values (for reports and ``--json``)."""
+    out = asdict(options)
+    out["engine"] = asdict(options.engine)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}

@@ -1,0 +1,436 @@
+"""The API server's side of the units: who is alive, where each request runs, what comes back.
+
+The router binds a ZeroMQ ``ROUTER`` socket that every unit rank connects to. It places a request
+with the same balancers the simulator uses (:class:`~moeinfra.serving.balancers.
+PrefillLoadBalancer` over every prefill rank, fed with the uncached prompt tokens and attention each
+rank has queued; :class:`~moeinfra.serving.balancers.DecodeLoadBalancer` over every decode rank,
+fed with each rank's live KV tokens and requests), sends it to its prefill rank with the decode
+rank's KV address, and routes the step outputs that come back to the request's event queue.
+
+Failures: a unit whose process exits (or whose ranks stop reporting for ``unit_timeout_s``) is
+dropped. Its requests are retried once on other units when the client has seen none of their
+tokens yet (non-streaming requests, streams before their first token), and end with an error
+otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeinfra.engine.sampling import SamplingParams
+from moeinfra.serving.balancers import DecodeLoadBalancer, PrefillLoadBalancer, attention_cost
+
+
+class Overloaded(Exception):
+    """Every queue is full: the client should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NoUnits(Exception):
+    """No live unit can take the request (starting, or all units gone)."""
+
+
+@dataclass(eq=False)
+class RankState:
+    """One rank of a unit as the router sees it (``requests``: live ones placed on it)."""
+
+    unit: UnitState
+    rank: int
+    identity: bytes
+    kv_address: str | None
+    max_num_seqs: int
+    queued_tokens: float = 0.0
+    queued_attention: float = 0.0
+    kv_tokens: int = 0
+    requests: set = field(default_factory=set)
+    report: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class UnitState:
+    """A unit: its role, ranks (filled in as they say hello), process when local, liveness."""
+
+    unit_id: str
+    role: str
+    num_ranks: int
+    ranks: list = field(default_factory=list)
+    process: object = None
+    last_seen: float = field(default_factory=time.monotonic)
+    draining: bool = False
+    alive: bool = True
+    host: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and len(self.ranks) == self.num_ranks
+
+    def expert_balancedness(self) -> float | None:
+        """mean/max expert tokens per rank over the unit's recent steps, averaged over layers."""
+        loads = [r.report.get("expert_gpu_load") for r in self.ranks]
+        loads = [x for x in loads if x is not None]
+        if not loads:
+            return None
+        total = np.sum(loads, axis=0)
+        peak = total.max(axis=1)
+        ok = peak > 0
+        return float((total.mean(axis=1)[ok] / peak[ok]).mean()) if ok.any() else None
+
+
+@dataclass(eq=False)
+class Tracked:
+    """A request in flight. ``events`` (may be shared by the choices of one API call) gets its
+    step outputs, ``("error", request_id, message)`` and ``("restart", request_id)`` (retried
+    elsewhere from scratch: forget what arrived so far)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cached_estimate: int
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefill: RankState | None = None
+    decode: RankState | None = None
+    phase: str = "prefill"
+    streamed: bool = False  # the client has seen some of its output
+    retries: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+    generated: int = 0
+
+    @property
+    def uncached(self) -> int:
+        return len(self.prompt_ids) - self.cached_estimate
+
+
+class Router:
+    """Units, placement and message routing (runs on the API server's event loop)."""
+
+    def __init__(
+        self,
+        control_address: str,
+        model_digest: str,
+        *,
+        max_queue: int = 64,
+        unit_timeout_s: float = 10.0,
+        metrics=None,
+    ) -> None:
+        self.control_address = control_address
+        self.model_digest = model_digest
+        self.max_queue = max_queue
+        self.unit_timeout_s = unit_timeout_s
+        self.metrics = metrics
+        self.units: dict[str, UnitState] = {}
+        self.requests: dict[str, Tracked] = {}
+        self.accepting = True
+        self.step_log: deque = deque(maxlen=100_000)  # (unit role, prefill, decode, running, s)
+        self.notes: deque[str] = deque(maxlen=100)
+        self._tasks: list[asyncio.Task] = []
+        self.socket = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self.socket = self._ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.control_address.endswith(":0"):
+            host = self.control_address.rsplit(":", 1)[0]
+            port = self.socket.bind_to_random_port(host)
+            self.control_address = f"{host}:{port}"
+        else:
+            self.socket.bind(self.control_address)
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watch_loop()),
+        ]
+
+    def expect_unit(self, unit_id: str, role: str, ranks: int, process=None) -> UnitState:
+        """Register a unit before its ranks say hello (local units: with their process)."""
+        unit = UnitState(unit_id, role, ranks, process=process)
+        self.units[unit_id] = unit
+        return unit
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until every expected unit has all its ranks; raises naming a unit that died or is late."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = [u.unit_id for u in self.units.values() if not u.alive]
+            if dead:
+                raise RuntimeError(f"unit {dead[0]} exited while starting (see its log above)")
+            if all(u.ready for u in self.units.values()):
+                return
+            if time.monotonic() > deadline:
+                late = next(u.unit_id for u in self.units.values() if not u.ready)
+                raise RuntimeError(f"unit {late} did not start within {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def shutdown(self, wait_s: float = 15.0) -> None:
+        """Stop admitting, end what is left with an error, stop every unit, close the socket."""
+        self.accepting = False
+        for tracked in list(self.requests.values()):
+            self._fail(tracked, "server shutting down")
+        for unit in self.units.values():
+            self._stop_unit(unit)
+        deadline = time.monotonic() + wait_s
+        for unit in self.units.values():
+            proc = unit.process
+            if proc is None:
+                continue
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self._ctx.term()
+            self.socket = None
+
+    def _stop_unit(self, unit: UnitState) -> None:
+        for rank in unit.ranks:
+            self._send(rank, ("shutdown",))
+
+    # ------------------------------------------------------------------ placement
+    def live_units(self, roles: tuple[str, ...]) -> list[UnitState]:
+        return [u for u in self.units.values() if u.ready and not u.draining and u.role in roles]
+
+    def capacity(self) -> int:
+        """Requests the system holds before refusing: decode slots plus the admission queue."""
+        decoders = self.live_units(("decode", "colocated"))
+        return sum(r.max_num_seqs for u in decoders for r in u.ranks) + self.max_queue
+
+    def submit(self, tracked: Tracked) -> None:
+        """Place and send a request; raises :class:`NoUnits` or :class:`Overloaded`."""
+        if not self.accepting:
+            raise Overloaded("server is shutting down", retry_after_s=5)
+        if len(self.requests) >= self.capacity():
+            raise Overloaded(
+                f"{len(self.requests)} requests in flight, the limit is {self.capacity()}"
+            )
+        self._place(tracked)
+        self.requests[tracked.request_id] = tracked
+
+    def _place(self, tracked: Tracked) -> None:
+        prefill_ranks = [r for u in self.live_units(("prefill", "colocated")) for r in u.ranks]
+        if not prefill_ranks:
+            raise NoUnits("no prefill unit is up")
+        attention = np.array([r.queued_attention for r in prefill_ranks])
+        tokens = np.array([r.queued_tokens for r in prefill_ranks])
+        n, cached = len(tracked.prompt_ids), tracked.cached_estimate
+        chosen = PrefillLoadBalancer(len(prefill_ranks), max_piece_tokens=1 << 40).assign(
+            [n], [cached], rank_attention=attention, rank_tokens=tokens
+        )
+        prefill = prefill_ranks[int(chosen.rank[0])]
+        if prefill.unit.role == "colocated":
+            decode = prefill
+        else:
+            decode_ranks = [r for u in self.live_units(("decode",)) for r in u.ranks]
+            if not decode_ranks:
+                raise NoUnits("no decode unit is up")
+            kv = np.array([r.kv_tokens for r in decode_ranks], dtype=np.float64)
+            count = np.array([len(r.requests) for r in decode_ranks], dtype=np.float64)
+            pick = DecodeLoadBalancer(len(decode_ranks)).assign_decode([n + 1], kv, count)
+            decode = decode_ranks[int(pick[0])]
+        tracked.prefill, tracked.decode, tracked.phase = prefill, decode, "prefill"
+        prefill.queued_tokens += tracked.uncached
+        prefill.queued_attention += float(attention_cost(tracked.uncached, cached))
+        prefill.requests.add(tracked.request_id)
+        decode.requests.add(tracked.request_id)
+        decode.kv_tokens += n + 1
+        options = {} if decode is prefill else {"handoff": decode.kv_address}
+        self._send(
+            prefill, ("add", tracked.request_id, tracked.prompt_ids, tracked.params, options)
+        )
+
+    def _release_prefill(self, tracked: Tracked) -> None:
+        rank = tracked.prefill
+        if rank is not None and tracked.phase == "prefill":
+            rank.queued_tokens = max(0.0, rank.queued_tokens - tracked.uncached)
+            rank.queued_attention = max(
+                0.0,
+                rank.queued_attention
+                - float(attention_cost(tracked.uncached, tracked.cached_estimate)),
+            )
+            if rank is not tracked.decode:
+                rank.requests.discard(tracked.request_id)
+            tracked.phase = "decode"
+
+    def _release(self, tracked: Tracked) -> None:
+        self._release_prefill(tracked)
+        for rank in (tracked.prefill, tracked.decode):
+            if rank is not None:
+                rank.requests.discard(tracked.request_id)
+        if tracked.decode is not None:
+            used = len(tracked.prompt_ids) + 1 + tracked.generated
+            tracked.decode.kv_tokens = max(0, tracked.decode.kv_tokens - used)
+        self.requests.pop(tracked.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (a client went away)."""
+        tracked = self.requests.get(request_id)
+        if tracked is None:
+            return
+        for rank in {tracked.prefill, tracked.decode} - {None}:
+            self._send(rank, ("abort", request_id))
+        self._release(tracked)
+        if self.metrics is not None:
+            self.metrics.finished("abort")
+
+    def _fail(self, tracked: Tracked, message: str) -> None:
+        for rank in {tracked.prefill, tracked.decode} - {None}:
+            self._send(rank, ("abort", tracked.request_id))
+        self._release(tracked)
+        tracked.events.put_nowait(("error", tracked.request_id, message))
+        if self.metrics is not None:
+            self.metrics.finished("error")
+
+    # ------------------------------------------------------------------ messages
+    def _send(self, rank: RankState, message) -> None:
+        if self.socket is None:
+            return
+        import zmq
+
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.send_multipart(
+                [rank.identity, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)],
+                flags=zmq.NOBLOCK,
+            )
+
+    def _rank_of(self, identity: bytes) -> RankState | None:
+        unit_id, _, rank = identity.decode().rpartition("/")
+        unit = self.units.get(unit_id)
+        if unit is None or not rank.isdigit():
+            return None
+        return next((r for r in unit.ranks if r.rank == int(rank)), None)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            identity, raw = await self.socket.recv_multipart()
+            message = pickle.loads(raw)
+            try:
+                self._on_message(identity, message)
+            except Exception as err:  # a bad message must not stop the server
+                self.notes.append(f"message {message[0]!r} from {identity!r}: {err!r}")
+
+    def _on_message(self, identity: bytes, message) -> None:
+        kind = message[0]
+        if kind == "hello":
+            self._hello(identity, message[1])
+            return
+        rank = self._rank_of(identity)
+        if rank is None:
+            return
+        rank.unit.last_seen = time.monotonic()
+        if kind == "out":
+            for out in message[1]:
+                self._output(rank, out)
+        elif kind == "state":
+            report = message[1]
+            rank.report = report
+            role = rank.unit.role
+            self.step_log.extend((role, *s) for s in report.get("steps", ()))
+            if self.metrics is not None:
+                self.metrics.unit_state(rank.unit, rank, report)
+        elif kind == "failed":
+            tracked = self.requests.get(message[1])
+            if tracked is not None:
+                self._fail(tracked, message[2])
+        elif kind == "bye":
+            rank.unit.alive = False
+
+    def _hello(self, identity: bytes, info: dict) -> None:
+        unit = self.units.get(info["unit"])
+        if unit is None:  # a unit started elsewhere joins
+            unit = self.expect_unit(info["unit"], info["role"], info["ranks"])
+        if info["model"] != self.model_digest:
+            self.notes.append(f"unit {info['unit']} serves another model; told to stop")
+            rank = RankState(unit, info["rank"], identity, None, 0)
+            self._send(rank, ("shutdown",))
+            unit.alive = False
+            return
+        unit.host = info.get("host", "")
+        unit.ranks = [r for r in unit.ranks if r.rank != info["rank"]]
+        unit.ranks.append(
+            RankState(unit, info["rank"], identity, info["kv_address"], info["max_num_seqs"])
+        )
+        unit.ranks.sort(key=lambda r: r.rank)
+        unit.last_seen = time.monotonic()
+
+    def _output(self, rank: RankState, out) -> None:
+        tracked = self.requests.get(out.request_id)
+        if tracked is None or rank not in (tracked.prefill, tracked.decode):
+            if not out.finished:  # output of a request we no longer track: stop it there
+                self._send(rank, ("abort", out.request_id))
+            return
+        if rank is tracked.prefill and tracked.phase == "prefill" and out.new_token_ids:
+            self._release_prefill(tracked)
+        if out.new_token_ids:
+            tracked.generated += len(out.new_token_ids)
+            if tracked.decode is not None:
+                tracked.decode.kv_tokens += len(out.new_token_ids)
+        if out.finished:
+            self._release(tracked)
+        tracked.events.put_nowait(out)
+
+    # ------------------------------------------------------------------ failures
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for unit in list(self.units.values()):
+                if not unit.alive:
+                    continue
+                exited = unit.process is not None and unit.process.poll() is not None
+                silent = unit.ready and now - unit.last_seen > self.unit_timeout_s
+                if exited or silent:
+                    self.unit_lost(unit, "exited" if exited else "stopped reporting")
+                elif unit.draining and unit.ready and not any(r.requests for r in unit.ranks):
+                    self._stop_unit(unit)
+                    unit.alive = False
+
+    def unit_lost(self, unit: UnitState, why: str) -> None:
+        """Drop a unit; retry or fail the requests it held."""
+        unit.alive = False
+        self.notes.append(f"unit {unit.unit_id} ({unit.role}) {why}")
+        if self.metrics is not None:
+            self.metrics.unit_gone(unit)
+        ranks = set(unit.ranks)
+        for tracked in list(self.requests.values()):
+            if tracked.prefill not in ranks and tracked.decode not in ranks:
+                continue
+            if not tracked.streamed and tracked.retries < 1:
+                for rank in {tracked.prefill, tracked.decode} - ranks - {None}:
+                    self._send(rank, ("abort", tracked.request_id))
+                self._release(tracked)
+                tracked.retries += 1
+                tracked.generated = 0
+                tracked.events.put_nowait(("restart", tracked.request_id))
+                try:
+                    self.submit(tracked)
+                    continue
+                except (Overloaded, NoUnits) as err:
+                    tracked.events.put_nowait(
+                        ("error", tracked.request_id, f"unit {unit.unit_id} {why}; {err}")
+                    )
+                    continue
+            self._fail(tracked, f"unit {unit.unit_id} ({unit.role}) {why} while serving it")
+
+    def drain(self, unit_id: str) -> None:
+        """Take no new requests on a unit; it stops once its requests finish."""
+        self.units[unit_id].draining = True

@@ -1,0 +1,395 @@
+"""A serving unit: ``ranks`` engine ranks on ``torch.distributed`` (data-parallel attention,
+expert-parallel MoE) that take requests from the API server over ZeroMQ.
+
+Roles: ``prefill`` (compute the prompt and first token, hand the KV to a decode rank, read and
+write the on-disk prefix cache), ``decode`` (receive hand-offs, generate the rest), ``colocated``
+(both, no hand-off). Each rank connects a ``DEALER`` socket to the server's control address (its
+identity ``<unit>/<rank>``), says hello, then runs the engine loop
+(:func:`~moeinfra.engine.worker.serve_loop`): requests and aborts come in, step outputs, hand-off
+notices and a state report (queues, KV blocks, expert balancedness, step timings) every
+``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefill ranks push KV to.
+
+:func:`run_unit` is what ``moeinfra serve unit`` runs: it spawns the ranks and exits with them
+(a rank that dies takes its unit down; the server sees the unit go and fails over).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "colocated")
+REPORT_S = 0.25
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What every rank of a unit needs to start (picklable)."""
+
+    unit_id: str
+    role: str
+    ranks: int
+    server: str  # the API server's control address, tcp://host:port
+    model_dir: str
+    engine: object  # EngineConfig
+    kv_host: str = "127.0.0.1"  # address decode ranks bind their KV socket on
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 1 << 30
+    comm_delay_s: float = 0.0
+    collective_timeout_s: float = 120.0
+    extra: dict = field(default_factory=dict)
+
+
+def config_digest(model_dir: str | Path) -> str:
+    """Digest of a checkpoint's ``config.json``: units join a server only for the same model."""
+    import hashlib
+
+    return hashlib.blake2b(
+        (Path(model_dir) / "config.json").read_bytes(), digest_size=8
+    ).hexdigest()
+
+
+def _disk_cache(spec: UnitSpec, core):
+    if spec.disk_cache_dir is None or spec.role == "decode":
+        return None
+    from moeinfra.server.disk_cache import DiskKVCache, model_fingerprint
+
+    data = core.cache.data
+    fingerprint = model_fingerprint(
+        (Path(spec.model_dir) / "config.json").read_bytes(),
+        data.dtype,
+        core.config.block_size,
+        (data.shape[0], data.shape[2]),
+    )
+    return DiskKVCache(
+        spec.disk_cache_dir,
+        fingerprint,
+        core.config.block_size,
+        data.shape[0],
+        data.shape[2],
+        data.dtype,
+        spec.disk_cache_bytes,
+    )
+
+
+def expert_gpu_load(core):
+    """``[moe layers, ranks]`` tokens this rank sent to each rank's expert slots over its recent
+    steps (the window the engine keeps for EPLB), or None before any step. Summed over a unit's
+    ranks it gives the unit's expert balancedness."""
+    import numpy as np
+
+    from moeinfra.eplb.plan import gpu_loads
+
+    if not core.load_window:
+        return None
+    load = np.sum(list(core.load_window), axis=0).astype(np.float64)
+    plan = core.plan
+    return gpu_loads(load, plan.phy2log, plan.logcnt, plan.layout.num_gpus)
+
+
+class RankServer:
+    """One rank's sockets and the glue between them and the engine loop."""
+
+    def __init__(self, spec: UnitSpec, rank: int, core) -> None:
+        import zmq
+
+        self.spec, self.rank, self.core = spec, rank, core
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.IDENTITY, f"{spec.unit_id}/{rank}".encode())
+        self.control.setsockopt(zmq.LINGER, 2000)
+        self.control.connect(spec.server)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.kv_in = None
+        self.kv_address = None
+        if spec.role == "decode":
+            self.kv_in = self.ctx.socket(zmq.PULL)
+            port = self.kv_in.bind_to_random_port(f"tcp://{spec.kv_host}")
+            self.kv_address = f"tcp://{spec.kv_host}:{port}"
+            self.poller.register(self.kv_in, zmq.POLLIN)
+        self.kv_out: dict[str, object] = {}
+        self.disk = _disk_cache(spec, core)
+        self.writer = ThreadPoolExecutor(1) if self.disk is not None else None
+        self.pending_writes = 0
+        self.sent_bytes = self.received_bytes = 0
+        self.handoffs_sent = 0
+        self.last_report = 0.0
+        self.reported_steps = 0
+
+    def hello(self) -> None:
+        self._send(
+            (
+                "hello",
+                {
+                    "unit": self.spec.unit_id,
+                    "rank": self.rank,
+                    "ranks": self.spec.ranks,
+                    "role": self.spec.role,
+                    "kv_address": self.kv_address,
+                    "pid": os.getpid(),
+                    "host": os.uname().nodename,
+                    "num_kv_blocks": self.core.config.num_kv_blocks,
+                    "block_size": self.core.config.block_size,
+                    "max_num_seqs": self.core.config.max_num_seqs,
+                    "model": config_digest(self.spec.model_dir),
+                },
+            )
+        )
+
+    def _send(self, message) -> None:
+        self.control.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    # ------------------------------------------------------------------ engine loop hooks
+    def receive(self, timeout: float | None) -> list[tuple]:
+        import zmq
+
+        messages = []
+        events = dict(self.poller.poll(0 if timeout is None else timeout * 1000))
+        while events:
+            if self.control in events:
+                while True:
+                    try:
+                        messages.append(self._control_message(self.control.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+            if self.kv_in is not None and self.kv_in in events:
+                while True:
+                    try:
+                        messages.append(("kv", self.kv_in.recv_multipart(zmq.NOBLOCK, copy=False)))
+                    except zmq.Again:
+                        break
+            events = dict(self.poller.poll(0))
+        return messages
+
+    def _control_message(self, raw: bytes) -> tuple:
+        message = pickle.loads(raw)
+        if message[0] == "add" and self.disk is not None:
+            _, rid, ids, params, options = message
+            options = dict(options)
+            hit = self.disk.lookup(ids)
+            if hit is not None:
+                options["preloaded"] = hit
+            return ("add", rid, ids, params, options)
+        return message
+
+    def handle(self, message: tuple) -> None:
+        if message[0] == "kv":
+            self._arrive(message[1])
+
+    def _arrive(self, frames) -> None:
+        from moeinfra.server.kv_transfer import TransferError, unpack
+
+        data = self.core.cache.data
+        try:
+            arrival = unpack([f.buffer for f in frames], data.shape[0], data.shape[2], data.dtype)
+        except TransferError as err:
+            self._send(("failed", err.request_id, str(err)))
+            return
+        self.received_bytes += arrival.nbytes
+        self.core.add_request(
+            arrival.request_id,
+            arrival.prompt_ids,
+            arrival.params,
+            output_ids=arrival.output_ids,
+            preloaded=arrival.preloaded,
+        )
+
+    def emit(self, outputs) -> None:
+        if outputs:
+            self._send(("out", outputs))
+        handoffs, self.core.handoffs = self.core.handoffs, []
+        for h in handoffs:
+            self._push(h)
+        now = time.monotonic()
+        if now - self.last_report >= REPORT_S:
+            self.report(now)
+
+    def _push(self, handoff) -> None:
+        import zmq
+
+        from moeinfra.server.kv_transfer import pack
+
+        address = handoff.target
+        sock = self.kv_out.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 5000)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(address)
+            self.kv_out[address] = sock
+        frames = pack(handoff, self.core.config.block_size)
+        sock.send_multipart(frames, copy=False)  # the I/O thread sends while we compute on
+        self.sent_bytes += sum(getattr(f, "nbytes", len(f)) for f in frames[1:])
+        self.handoffs_sent += 1
+        self._send(("handed_off", handoff.request_id))
+        self._store(handoff.prompt_ids, handoff.kv)
+
+    def _store(self, prompt_ids, kv) -> None:
+        if self.disk is None or self.pending_writes > 64:
+            return
+        self.pending_writes += 1
+
+        def write():
+            try:
+                self.disk.store(prompt_ids, kv)
+            finally:
+                self.pending_writes -= 1
+
+        self.writer.submit(write)
+
+    def report(self, now: float) -> None:
+        core = self.core
+        new_stats = list(core.stats)[-min(len(core.stats), core.steps - self.reported_steps) :]
+        if core.steps == self.reported_steps:
+            new_stats = []
+        self.reported_steps = core.steps
+        self.last_report = now
+        disk = self.disk.stats if self.disk is not None else None
+        self._send(
+            (
+                "state",
+                {
+                    "waiting": len(core.scheduler.waiting),
+                    "running": len(core.scheduler.running),
+                    "kv_blocks_used": core.blocks.num_used_blocks,
+                    "kv_blocks_total": core.blocks.num_blocks,
+                    "prefix_hit_tokens": core.blocks.hit_tokens,
+                    "prefix_queried_tokens": core.blocks.queried_tokens,
+                    "disk_hit_tokens": disk.hit_tokens if disk else 0,
+                    "disk_written_blocks": disk.written_blocks if disk else 0,
+                    "expert_gpu_load": expert_gpu_load(core),
+                    "rebalances": core.rebalances,
+                    "kv_sent_bytes": self.sent_bytes,
+                    "kv_received_bytes": self.received_bytes,
+                    "steps": [
+                        (s.prefill_tokens, s.decode_tokens, s.running, s.total_s) for s in new_stats
+                    ],
+                },
+            )
+        )
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
+        self._send(("bye", self.rank))
+        for sock in self.kv_out.values():
+            sock.close()
+        if self.kv_in is not None:
+            self.kv_in.close(linger=0)
+        self.control.close()
+        self.ctx.term()
+
+
+def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -> None:
+    """One rank of a unit: join the unit's process group, load the engine, serve until shutdown."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    from moeinfra.engine.core import EngineCore
+    from moeinfra.engine.worker import serve_loop
+    from moeinfra.moe.comm import Communicator
+
+    torch.set_num_threads(1)
+    try:
+        if spec.ranks > 1:
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=spec.ranks,
+                timeout=timedelta(seconds=spec.collective_timeout_s),
+            )
+        comm = Communicator(delay_s=spec.comm_delay_s)
+        core = EngineCore(Path(spec.model_dir), spec.engine, comm)
+        server = RankServer(spec, rank, core)
+        try:
+            server.hello()
+            serve_loop(core, server.receive, server.emit, server.handle)
+        finally:
+            server.close()
+            comm.close()
+            if spec.ranks > 1:
+                dist.destroy_process_group()
+    except BaseException:
+        if errors is not None:
+            errors.put((rank, traceback.format_exc(limit=8)))
+        raise
+
+
+def _watch_parent(parent_pid: int, on_gone) -> None:
+    """Call ``on_gone()`` from a daemon thread once ``parent_pid`` no longer exists."""
+    import threading
+
+    def watch():
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                on_gone()
+                return
+            except PermissionError:
+                pass
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
+    """Run a unit's ranks until they shut down; returns a process exit code (0: clean).
+
+    With ``parent_pid``, the unit exits when that process (the server that started it) is gone."""
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from moeinfra.moe.launch import free_port
+
+    if spec.role not in ROLES:
+        raise ValueError(f"role={spec.role!r} is not one of {', '.join(ROLES)}")
+    if spec.ranks == 1:
+        if parent_pid is not None:
+            _watch_parent(parent_pid, lambda: os._exit(1))
+        try:
+            rank_main(spec, 0, None)
+        except KeyboardInterrupt:
+            return 130
+        return 0
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        ctx.Process(target=rank_main, args=(spec, r, init, errors), daemon=True)
+        for r in range(spec.ranks)
+    ]
+    for p in procs:
+        p.start()
+    orphaned = []
+    if parent_pid is not None:
+        _watch_parent(parent_pid, lambda: orphaned.append(True))
+    code = 0
+    try:
+        while any(p.is_alive() for p in procs):
+            dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+            if dead or orphaned:  # one rank down: its peers would hang in the next collective
+                code = 1
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        code = 130
+    for p in procs:
+        if code and p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    while not errors.empty():
+        rank, trace = errors.get()
+        print(f"unit {spec.unit_id} rank {rank} failed:\n{trace}", file=sys.stderr)
+        code = code or 1
+    return code
