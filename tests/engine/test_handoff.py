@@ -39,6 +39,9 @@ def test_prefill_here_decode_there_equals_one_engine(tiny_path, prompt_ids):
     for h in prefill.handoffs:
         assert h.kv.shape[:2] == (together.cache.data.shape[0], len(h.prompt_ids))
         assert h.target == ("decode", 0)
+        # what travels is the MLA latent cache: bytes per token as the layout (MLA formula) says
+        nbytes = h.kv.numel() * h.kv.element_size()
+        assert nbytes == len(h.prompt_ids) * together.cache.layout.bytes_per_token
         decode.add_request(
             h.request_id,
             h.prompt_ids,

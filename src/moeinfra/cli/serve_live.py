@@ -188,3 +188,74 @@ def register(app: typer.Typer) -> None:
             comm_delay_s=comm_delay,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
+
+    @app.command()
+    def bench(
+        url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server."),
+        workload: str = typer.Option(
+            "synthetic", "--workload", help="synthetic, or a Mooncake-style .jsonl trace."
+        ),
+        rate: float | None = typer.Option(
+            None,
+            "--rate",
+            help="Poisson arrivals, requests/s (inf: all at once). Default: the trace's "
+            "timestamps, or 4/s for synthetic.",
+        ),
+        num_requests: int = typer.Option(
+            64, "--num-requests", "-n", help="Synthetic requests, or the trace's first N."
+        ),
+        block_tokens: int = typer.Option(
+            512, "--block-tokens", help="Tokens per trace hash_id block."
+        ),
+        vocab: int = typer.Option(1000, "--vocab", help="Token ids drawn from 1..vocab-1."),
+        seed: int = typer.Option(0, "--seed"),
+        out: Path = typer.Option(Path("bench"), "--out", "-o", help="Folder for JSON + figure."),
+        quiet: bool = typer.Option(False, "--quiet", "-q"),
+    ) -> None:
+        """Replay a workload against a live server: TTFT/TPOT/ITL percentiles, throughput,
+        cache hit rate, errors (bench.json, bench.png)."""
+        import asyncio
+        import json
+
+        from tqdm import tqdm
+
+        from moeinfra.atomicio import write_text_atomic
+        from moeinfra.errors import InputError
+        from moeinfra.server import bench as b
+
+        if vocab < 2:
+            raise InputError(f"--vocab={vocab} must be >= 2")
+        if workload == "synthetic":
+            requests = b.synthetic_requests(num_requests, vocab=vocab, seed=seed)
+            b.poisson_arrivals(requests, 4.0 if rate is None else rate, seed)
+        else:
+            requests = b.trace_requests(
+                workload, vocab=vocab, block_tokens=block_tokens, limit=num_requests
+            )
+            if rate is not None:
+                b.poisson_arrivals(requests, rate, seed)
+        bar = tqdm(total=len(requests), unit="req", disable=quiet or not sys.stderr.isatty())
+        try:
+            results, wall = asyncio.run(b.replay(url, requests, progress=lambda: bar.update(1)))
+        finally:
+            bar.close()
+        summary = b.summarize(results, wall)
+        summary["workload"] = workload
+        per_request = [
+            {
+                "arrival_s": r.arrival_s,
+                "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens,
+                "cached_tokens": r.cached_tokens,
+                "ttft_s": r.ttft_s,
+                "tpot_s": r.tpot_s,
+                "latency_s": r.latency_s,
+                "error": r.error,
+            }
+            for r in results
+        ]
+        write_text_atomic(
+            out / "bench.json", json.dumps({"summary": summary, "requests": per_request}, indent=1)
+        )
+        b.plot(results, out / "bench.png", title=f"serve bench ({workload})")
+        typer.echo(json.dumps(summary, indent=1))

@@ -142,7 +142,13 @@ def create_app(
         )
         status = 200 if ok and router.accepting else 503
         units = {
-            u.unit_id: {"role": u.role, "ready": u.ready, "draining": u.draining}
+            u.unit_id: {
+                "role": u.role,
+                "ready": u.ready,
+                "draining": u.draining,
+                "host": u.host,
+                "pids": [r.pid for r in u.ranks],
+            }
             for u in router.units.values()
             if u.alive
         }

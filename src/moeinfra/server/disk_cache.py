@@ -78,7 +78,18 @@ class DiskKVCache:
         self.payload_bytes = layers * block_size * values * itemsize
         self.file_bytes = _HEADER.size + self.payload_bytes
         self.stats = DiskStats()
+        self._remove_stale_temporaries()
         self._approx_bytes = self._scan_bytes()
+
+    def _remove_stale_temporaries(self, age_s: float = 60.0) -> None:
+        """Delete temporary files a crashed writer left (older than ``age_s``; a live writer's
+        temporary lives milliseconds)."""
+        import time
+
+        for tmp in self.dir.glob("*/.*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > age_s:
+                    tmp.unlink()
 
     def _path(self, digest: bytes) -> Path:
         name = digest.hex()

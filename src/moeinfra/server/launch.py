@@ -221,12 +221,26 @@ def serve(options: ServeOptions, announce=print) -> int:
         timeout_graceful_shutdown=options.drain_timeout_s,
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
+    server = _draining_server_class()(config)
     try:
         asyncio.run(server.serve(sockets=[listener]))
     finally:
         listener.close()
     return 0 if server.started else 1
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, but a drained shutdown on SIGINT/SIGTERM exits 0 (uvicorn re-raises
+        the signal after draining, which would end the process with -2/-15)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return DrainingServer
 
 
 def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: EngineConfig):

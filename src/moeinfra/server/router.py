@@ -49,6 +49,7 @@ class RankState:
     identity: bytes
     kv_address: str | None
     max_num_seqs: int
+    pid: int = 0
     queued_tokens: float = 0.0
     queued_attention: float = 0.0
     kv_tokens: int = 0
@@ -367,7 +368,14 @@ class Router:
         unit.host = info.get("host", "")
         unit.ranks = [r for r in unit.ranks if r.rank != info["rank"]]
         unit.ranks.append(
-            RankState(unit, info["rank"], identity, info["kv_address"], info["max_num_seqs"])
+            RankState(
+                unit,
+                info["rank"],
+                identity,
+                info["kv_address"],
+                info["max_num_seqs"],
+                info.get("pid", 0),
+            )
         )
         unit.ranks.sort(key=lambda r: r.rank)
         unit.last_seen = time.monotonic()

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible API, driven by the official ``openai`` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from tests.server.conftest import metric, wait_until
+
+from moeinfra.engine import LLM, SamplingParams
+
+PROMPTS = [
+    "Prefill and decode are disaggregated: a prefill unit computes the KV cache",
+    "Expert parallelism spreads the experts over GPUs and the all-to-all moves tokens",
+    "hello world",
+    "The decode unit runs EP144 with 32 redundant experts",
+]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_greedy_tokens_equal_one_colocated_engine(client, model, tiny_bpe):
+    """Prefill on one unit, KV handed off, decode on another: the same text as one engine."""
+    with LLM(tiny_bpe, block_size=16, num_kv_blocks=256) as llm:
+        expected = [
+            r.outputs[0].text
+            for r in llm.generate(
+                PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            )
+        ]
+    got = [
+        client.completions.create(
+            model=model, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        for p in PROMPTS
+    ]
+    assert [g.choices[0].text for g in got] == expected
+    assert all(g.usage.completion_tokens == 12 for g in got)
+    assert [g.usage.prompt_tokens for g in got] == [
+        len(ids) for ids in (llm.tokenizer.encode(p) for p in PROMPTS)
+    ]
+
+
+def test_streaming_chat_with_usage_matches_non_streaming(client, model):
+    messages = [{"role": "user", "content": "What does the decode unit do?"}]
+    whole = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, seed=3
+    )
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_choices_and_seeded_sampling_are_reproducible(client, model):
+    kwargs = dict(model=model, prompt="KV cache", max_tokens=8, temperature=1.0, seed=11, n=3)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1  # each choice has its own seed
+
+
+def test_cached_tokens_reported_for_a_repeated_prefix(client, model):
+    prompt = " ".join(["the prefill unit writes its KV blocks to disk"] * 6)
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+
+
+def test_models_health_and_metrics(server, client, model):
+    assert model == "tiny"
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    client.completions.create(model=model, prompt="hello", max_tokens=3)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "moeinfra:time_to_first_token_seconds_bucket",
+        "moeinfra:time_per_output_token_seconds_bucket",
+        "moeinfra:inter_token_latency_seconds_bucket",
+        "moeinfra:unit_waiting_requests",
+        "moeinfra:kv_blocks_used",
+        "moeinfra:prefix_cache_hit_tokens_total",
+        "moeinfra:expert_balancedness",
+        'moeinfra:units_alive{role="decode"} 1.0',
+        "moeinfra:kv_transfer_received_bytes",
+    ):
+        assert name in text, name
+    assert metric(server.url, "moeinfra:time_to_first_token_seconds_count") >= 1
+    wait_until(lambda: metric(server.url, "moeinfra:kv_transfer_received_bytes") > 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "n": 9}, 400, "n"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": "tiny", "prompt": "x " * 5000, "max_tokens": 1}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny"}, 400, "prompt"),
+        ({"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_style_4xx(server, body, status, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_malformed_json_is_a_400(server):
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def test_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-none", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=-5)
+
+
+def test_client_disconnect_aborts_the_request_everywhere(server, model):
+    body = {
+        "model": model,
+        "prompt": "hello",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    wait_until(lambda: metric(server.url, "moeinfra:requests_in_flight") == 0)
+    wait_until(lambda: metric(server.url, "moeinfra:unit_running_requests") == 0, timeout_s=5)
+    assert metric(server.url, "moeinfra:requests_total", 'finish_reason="abort"') >= 1
+
+
+def test_a_full_system_answers_503_with_retry_after(server, model):
+    """Capacity is 8 decode slots + a queue of 4: the 13th concurrent request is refused."""
+    import concurrent.futures as cf
+
+    body = {"model": model, "prompt": "hello", "max_tokens": 400, "ignore_eos": True}
+
+    def post(_):
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        codes = [r for r in pool.map(post, range(16))]
+    refused = [r for r in codes if r.status_code == 503]
+    assert refused and len(refused) <= 4
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+    assert sum(r.status_code == 200 for r in codes) >= 12
+
+
+def test_bench_replays_a_trace_whose_hash_ids_really_share_prefixes(server, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from moeinfra.cli.main import app
+
+    rows = [
+        {"timestamp": 0, "input_length": 80, "output_length": 6, "hash_ids": [1, 2, 3]},
+        {"timestamp": 50, "input_length": 90, "output_length": 5, "hash_ids": [1, 2, 4]},
+        {"timestamp": 100, "input_length": 70, "output_length": 4, "hash_ids": [1, 2, 3]},
+        {"timestamp": 150, "input_length": 20, "output_length": 3},
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(
+        app,
+        ["serve", "bench", "--url", server.url, "--workload", str(trace), "--block-tokens", "32",
+         "--out", str(out), "-q"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    assert (summary["completed"], summary["errors"]) == (4, 0)
+    assert summary["output_tokens"] == 6 + 5 + 4 + 3
+    assert summary["prompt_tokens"] == 80 + 90 + 70 + 20
+    # rows 2 and 3 start with blocks 1, 2 (64 tokens) of row 1: at least 48 of them cached each
+    assert summary["cache_hit_rate"] >= 96 / 260
+    assert summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] > 0
+    assert (out / "bench.png").stat().st_size > 0
+    bad = CliRunner().invoke(app, ["serve", "bench", "--url", server.url, "--rate", "0", "-q"])
+    assert bad.exit_code != 0

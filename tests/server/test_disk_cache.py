@@ -1,0 +1,91 @@
+"""The on-disk prefix KV cache: round trip, corruption, LRU under a byte cap, restarts."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from moeinfra.server.disk_cache import DiskKVCache
+
+LAYERS, VALUES, BS = 3, 5, 4
+
+
+def _cache(root, capacity=1 << 20, dtype=torch.float32):
+    return DiskKVCache(root, "model-a", BS, LAYERS, VALUES, dtype, capacity)
+
+
+def _kv(tokens, dtype=torch.float32):
+    return torch.randn(LAYERS, tokens, VALUES).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_leaves_one_token_to_compute(tmp_path, dtype):
+    cache = _cache(tmp_path, dtype=dtype)
+    ids = list(range(100, 113))  # 13 tokens: 3 full blocks
+    kv = _kv(13, dtype)
+    assert cache.store(ids, kv) == 3
+    assert cache.store(ids, kv) == 0  # already there
+    hit = cache.lookup(ids)
+    assert hit.start == 0 and hit.kv.shape == (LAYERS, 12, VALUES)
+    assert torch.equal(hit.kv, kv[:, :12])
+    assert cache.cached_tokens(ids) == 12
+    # exactly 12 tokens: the last block is not used (one token must be computed)
+    assert cache.lookup(ids[:12]).kv.shape[1] == 8
+    # a different prefix shares nothing
+    assert cache.lookup([1, *ids[1:]]) is None
+    assert cache.stats.hit_tokens == 20
+
+
+def test_skip_tokens_reads_only_blocks_past_what_memory_holds(tmp_path):
+    cache = _cache(tmp_path)
+    ids, kv = list(range(17)), _kv(17)
+    cache.store(ids, kv)
+    hit = cache.lookup(ids, skip_tokens=8)
+    assert hit.start == 8 and torch.equal(hit.kv, kv[:, 8:16])
+
+
+def test_a_damaged_block_is_a_miss_and_is_deleted(tmp_path):
+    cache = _cache(tmp_path)
+    ids, kv = list(range(9)), _kv(9)
+    cache.store(ids, kv)
+    files = sorted(cache.dir.glob("*/*.kv"), key=os.path.getmtime)
+    data = bytearray(files[-1].read_bytes())
+    data[-1] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    hit = cache.lookup(ids)
+    assert hit is None or hit.kv.shape[1] == 4  # stops before the damaged block
+    assert cache.stats.corrupt_blocks == 1
+    assert len(list(cache.dir.glob("*/*.kv"))) == 1
+    files[0].write_bytes(b"short")  # a torn file
+    assert _cache(tmp_path).lookup(ids) is None
+
+
+def test_byte_cap_evicts_least_recently_used_blocks(tmp_path):
+    probe = _cache(tmp_path)
+    cap = probe.file_bytes * 4
+    cache = _cache(tmp_path, capacity=cap)
+    old, new = list(range(9)), list(range(50, 59))
+    cache.store(old, _kv(9))
+    time.sleep(0.02)
+    cache.store(new, _kv(9))
+    time.sleep(0.02)
+    assert cache.lookup(old) is not None  # refreshes old's blocks
+    time.sleep(0.02)
+    cache.store(list(range(200, 209)), _kv(9))  # 6 blocks > cap of 4
+    assert cache.size_bytes <= cap
+    assert cache.lookup(old) is not None  # recently read: kept
+    assert cache.lookup(new) is None  # least recently used: gone
+    assert cache.stats.evicted_blocks >= 2
+
+
+def test_blocks_survive_a_restart_and_no_temporary_file_is_left(tmp_path):
+    ids, kv = list(range(9)), _kv(9)
+    _cache(tmp_path).store(ids, kv)
+    again = _cache(tmp_path)
+    assert torch.equal(again.lookup(ids).kv, kv[:, :8])
+    assert not list(tmp_path.rglob("*.tmp"))
+    other = DiskKVCache(tmp_path, "model-b", BS, LAYERS, VALUES, torch.float32, 1 << 20)
+    assert other.lookup(ids) is None  # another model's namespace

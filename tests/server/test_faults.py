@@ -1,0 +1,116 @@
+"""Faults as users meet them: SIGTERM with a request running, a unit killed mid-stream."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+
+import httpx
+from tests.server.conftest import ServerProcess, metric, wait_until
+
+from moeinfra.engine import LLM, SamplingParams
+
+SMALL = ["--block-size", "16", "--num-kv-blocks", "256", "--prefill-ranks", "1"]
+
+
+def _stream(url: str, body: dict) -> tuple[list[dict], bool]:
+    """Events of a streamed completion and whether it ended with [DONE]."""
+    events, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events, done
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_drains_running_requests_then_everything_exits(tiny_bpe):
+    srv = ServerProcess(["--model", str(tiny_bpe), *SMALL, "--decode-ranks", "2"])
+    port = int(srv.url.rsplit(":", 1)[1])
+    children = srv.children()
+    assert len(children) >= 4  # prefill unit, decode unit and its two ranks
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 150, "ignore_eos": True}
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_stream, srv.url, {**body, "stream": True})
+        wait_until(
+            lambda: (
+                metric(srv.url, "moeinfra:generation_tokens_total") >= 0
+                and metric(srv.url, "moeinfra:requests_in_flight") == 1
+            )
+        )
+        srv.proc.send_signal(signal.SIGTERM)
+        events, done = running.result(timeout=120)
+    assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events)  # it really ran to the end
+    assert srv.proc.wait(60) == 0, "".join(srv.log)
+
+    def gone() -> bool:  # (a unit's multiprocessing helper may take a moment after its unit)
+        return not [pid for pid in children if _running(pid)]
+
+    wait_until(gone, timeout_s=10)
+    with socket.socket() as s:  # nobody listens on the port: a new server can take it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(tiny_bpe):
+    srv = ServerProcess(["--model", str(tiny_bpe), *SMALL, "--decode-ranks", "1",
+                         "--decode-units", "2"])  # fmt: skip
+    try:
+        prompts = ["hello world", "KV cache", "The decode unit", "Prefill and decode"]
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        with LLM(tiny_bpe, block_size=16, num_kv_blocks=256) as llm:
+            expected = [r.outputs[0].text for r in llm.generate(prompts, params)]
+        body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+        def plain(p):
+            return httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(_stream, srv.url, {**body, "prompt": p, "stream": True})
+                       for p in prompts]  # fmt: skip
+            whole = [pool.submit(plain, p) for p in prompts]
+            wait_until(
+                lambda: (
+                    metric(srv.url, "moeinfra:generation_tokens_total") >= 0
+                    and metric(srv.url, "moeinfra:unit_running_requests", 'role="decode"') >= 6
+                )
+            )
+            health = httpx.get(f"{srv.url}/health").json()["units"]
+            victim = max(
+                (u for u, info in health.items() if info["role"] == "decode"),
+                key=lambda u: metric(srv.url, "moeinfra:unit_running_requests", f'unit="{u}"'),
+            )
+            os.kill(health[victim]["pids"][0], signal.SIGKILL)
+            results = [f.result(timeout=120) for f in streams]
+            answers = [f.result(timeout=120) for f in whole]
+        # non-streaming requests had shown the client nothing: retried on the other unit, whole
+        assert [a.status_code for a in answers] == [200] * 4
+        assert [a.json()["choices"][0]["text"] for a in answers] == expected
+        # streams on the dead unit end with an error event; the others finish
+        failed = [ev for ev, done in results if not done]
+        assert failed, "the killed unit held no stream"
+        assert all("error" in ev[-1] for ev in failed)
+        for (ev, done), text in zip(results, expected, strict=True):
+            if done:
+                assert "".join(e["choices"][0]["text"] for e in ev if e.get("choices")) == text
+        # the server goes on with the unit it has left, and nothing is left in flight
+        assert metric(srv.url, "moeinfra:units_alive", 'role="decode"') == 1
+        assert plain("hello world").json()["choices"][0]["text"] == expected[0]
+        wait_until(lambda: metric(srv.url, "moeinfra:requests_in_flight") == 0)
+        wait_until(lambda: metric(srv.url, "moeinfra:kv_blocks_used", 'role="decode"') == 0)
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)
