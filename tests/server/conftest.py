@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,33 +10,11 @@ import httpx
 import pytest
 
 from moeinfra.engine.tiny import init_tiny
+from moeinfra.server.process import ServerProcess as _ServerProcess
 
-READY = re.compile(r"ready at (http://[^/\s]+)/v1")
 
-
-class ServerProcess:
-    """``moeinfra serve up --port 0 ARGS``; ``url`` once ready. Its stderr is kept in ``log``."""
-
-    def __init__(self, args: list[str], timeout_s: float = 180.0) -> None:
-        cmd = [sys.executable, "-m", "moeinfra.cli", "serve", "up", "--port", "0", *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-        self.log: list[str] = []
-        self._ready = threading.Event()
-        self.url = None
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout_s) or self.url is None:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.log))
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            match = READY.search(line)
-            if match:
-                self.url = match.group(1)
-                self._ready.set()
-        self._ready.set()
+class ServerProcess(_ServerProcess):
+    """The library's server process, plus the pids below it."""
 
     def children(self) -> list[int]:
         """pids of every process below the server."""
@@ -57,16 +30,6 @@ class ServerProcess:
             found += kids
             frontier += kids
         return found
-
-    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def wait_until(check, timeout_s: float = 20.0, every_s: float = 0.1):
