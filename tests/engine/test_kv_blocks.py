@@ -409,3 +409,18 @@ def test_random_soak_no_leak_and_correct_hits():
     assert mgr.num_free_blocks == mgr.num_blocks
     assert mgr.num_cached_blocks > 0
     mgr.check()
+
+
+def test_cached_prefix_tokens_peeks_without_taking():
+    mgr = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    assert mgr.allocate_prefix(0, tokens) == 0
+    assert mgr.ensure_slots(0, 10)
+    mgr.mark_computed(0, tokens, 10)  # blocks [0..3] and [4..7] are full and computed
+    before = (mgr.hit_tokens, mgr.queried_tokens, mgr.num_free_blocks)
+    assert mgr.cached_prefix_tokens(tokens) == 8
+    assert mgr.cached_prefix_tokens(tokens[:8]) == 4  # one prompt token must stay uncached
+    assert mgr.cached_prefix_tokens([99, *tokens[1:]]) == 0
+    assert (mgr.hit_tokens, mgr.queried_tokens, mgr.num_free_blocks) == before
+    assert mgr.allocate_prefix(1, tokens) == 8  # what the peek said
+    mgr.check()

@@ -165,6 +165,8 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--role={role!r} must be one of {', '.join(ROLES)}")
         if ranks < 1:
             raise InputError(f"--ranks={ranks} must be >= 1")
+        if not server.startswith("tcp://") or ":" not in server[6:]:
+            raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
         model_dir = model if model is not None else default_model()
         spec = UnitSpec(
             unit_id=unit_id or f"{role}-{uuid.uuid4().hex[:6]}",

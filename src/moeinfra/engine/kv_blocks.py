@@ -135,12 +135,7 @@ class BlockManager:
         if len(token_ids) == 0:
             raise InputError("token_ids=[]: a prompt must hold at least one token")
         seq = _Seq()
-        bs = self.block_size
-        for i in range((len(token_ids) - 1) // bs):
-            digest = _chain_hash(seq.last_hash, token_ids[i * bs : (i + 1) * bs])
-            block = self._cached.get(digest)
-            if block is None:
-                break
+        for digest, block in self._cached_prefix(token_ids):
             if self._ref[block] == 0:
                 del self._evictable[block]
             self._ref[block] += 1
@@ -148,10 +143,28 @@ class BlockManager:
             seq.last_hash = digest
         seq.num_hashed = len(seq.blocks)
         self._seqs[seq_id] = seq
-        cached = len(seq.blocks) * bs
+        cached = len(seq.blocks) * self.block_size
         self.queried_tokens += len(token_ids)
         self.hit_tokens += cached
         return cached
+
+    def _cached_prefix(self, token_ids: Sequence[int]) -> list[tuple[bytes, int]]:
+        """``(digest, block)`` of the computed full blocks matching the prompt's start, leaving at
+        least one prompt token uncovered."""
+        found: list[tuple[bytes, int]] = []
+        parent = b""
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = _chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            found.append((parent, block))
+        return found
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`allocate_prefix` would find cached now (changes nothing)."""
+        return len(self._cached_prefix(token_ids)) * self.block_size
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """New blocks sequence ``seq_id`` needs to hold ``num_tokens`` tokens in total."""

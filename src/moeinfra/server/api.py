@@ -16,7 +16,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -98,7 +98,6 @@ class _Choice:
     finish_reason: str | None = None
     first_s: float | None = None
     last_s: float | None = None
-    gaps: list = field(default_factory=list)
 
 
 def create_app(
@@ -366,6 +365,17 @@ def create_app(
                 if c.finish_reason is None:
                     router.abort(c.tracked.request_id)
 
+    async def _respond(body: _Sampling, request: Request, choices, stream_parts, whole):
+        """A streamed response (``stream_parts`` = chunk, final and usage builders) or, once every
+        choice finished, ``whole()``."""
+        if body.stream:
+            include = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                _stream(choices, *stream_parts, include), media_type="text/event-stream"
+            )
+        await _complete(request, choices)
+        return whole()
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body)
@@ -406,28 +416,25 @@ def create_app(
                 "usage": _usage(prompts, choices, body.n),
             }
 
-        if body.stream:
-            include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                _stream(choices, chunk, final, usage, include), media_type="text/event-stream"
-            )
-        await _complete(request, choices)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": _usage(prompts, choices, body.n),
-        }
+        def whole():
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in choices
+                ],
+                "usage": _usage(prompts, choices, body.n),
+            }
+
+        return await _respond(body, request, choices, (chunk, final, usage), whole)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -474,27 +481,24 @@ def create_app(
         def usage():
             return {**base(), "choices": [], "usage": _usage(prompts, choices, body.n)}
 
-        if body.stream:
-            include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                _stream(choices, chunk, final, usage, include), media_type="text/event-stream"
-            )
-        await _complete(request, choices)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": _usage(prompts, choices, body.n),
-        }
+        def whole():
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in choices
+                ],
+                "usage": _usage(prompts, choices, body.n),
+            }
+
+        return await _respond(body, request, choices, (chunk, final, usage), whole)
 
     return app

@@ -207,8 +207,12 @@ async def replay(
     url = url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        models = (await client.get(f"{url}/v1/models")).json()["data"]
-        model = models[0]["id"]
+        try:
+            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+            raise InputError(
+                f"--url={url!r}: no OpenAI-compatible server answers ({err})"
+            ) from None
         start = time.perf_counter()
         tasks = [asyncio.create_task(_one(client, url, model, r, start)) for r in requests]
         if progress is not None:

@@ -80,8 +80,8 @@ class ServerMetrics:
             "moeinfra:kv_transfer_received_bytes", "KV bytes received", labels, registry=r
         )
 
-    def unit_state(self, unit, rank, report: dict) -> None:
-        """Fold one rank's state report into its unit's gauges (sums over the unit's ranks)."""
+    def unit_state(self, unit) -> None:
+        """Set a unit's gauges from its ranks' latest state reports (sums over the ranks)."""
         labels = (unit.unit_id, unit.role)
         reports = [r.report for r in unit.ranks if r.report]
 

@@ -131,7 +131,6 @@ class Router:
         self.units: dict[str, UnitState] = {}
         self.requests: dict[str, Tracked] = {}
         self.accepting = True
-        self.step_log: deque = deque(maxlen=100_000)  # (unit role, prefill, decode, running, s)
         self.notes: deque[str] = deque(maxlen=100)
         self._tasks: list[asyncio.Task] = []
         self.socket = None
@@ -285,21 +284,19 @@ class Router:
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (a client went away)."""
         tracked = self.requests.get(request_id)
-        if tracked is None:
-            return
-        for rank in {tracked.prefill, tracked.decode} - {None}:
-            self._send(rank, ("abort", request_id))
-        self._release(tracked)
-        if self.metrics is not None:
-            self.metrics.finished("abort")
+        if tracked is not None:
+            self._stop(tracked, "abort")
 
     def _fail(self, tracked: Tracked, message: str) -> None:
+        self._stop(tracked, "error")
+        tracked.events.put_nowait(("error", tracked.request_id, message))
+
+    def _stop(self, tracked: Tracked, reason: str) -> None:
         for rank in {tracked.prefill, tracked.decode} - {None}:
             self._send(rank, ("abort", tracked.request_id))
         self._release(tracked)
-        tracked.events.put_nowait(("error", tracked.request_id, message))
         if self.metrics is not None:
-            self.metrics.finished("error")
+            self.metrics.finished(reason)
 
     # ------------------------------------------------------------------ messages
     def _send(self, rank: RankState, message) -> None:
@@ -342,12 +339,9 @@ class Router:
             for out in message[1]:
                 self._output(rank, out)
         elif kind == "state":
-            report = message[1]
-            rank.report = report
-            role = rank.unit.role
-            self.step_log.extend((role, *s) for s in report.get("steps", ()))
+            rank.report = message[1]
             if self.metrics is not None:
-                self.metrics.unit_state(rank.unit, rank, report)
+                self.metrics.unit_state(rank.unit)
         elif kind == "failed":
             tracked = self.requests.get(message[1])
             if tracked is not None:

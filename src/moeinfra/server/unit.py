@@ -6,7 +6,7 @@ write the on-disk prefix cache), ``decode`` (receive hand-offs, generate the res
 (both, no hand-off). Each rank connects a ``DEALER`` socket to the server's control address (its
 identity ``<unit>/<rank>``), says hello, then runs the engine loop
 (:func:`~moeinfra.engine.worker.serve_loop`): requests and aborts come in, step outputs, hand-off
-notices and a state report (queues, KV blocks, expert balancedness, step timings) every
+notices and a state report (queues, KV blocks, expert balancedness) every
 ``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefill ranks push KV to.
 
 :func:`run_unit` is what ``moeinfra serve unit`` runs: it spawns the ranks and exits with them
@@ -121,7 +121,6 @@ class RankServer:
         self.sent_bytes = self.received_bytes = 0
         self.handoffs_sent = 0
         self.last_report = 0.0
-        self.reported_steps = 0
 
     def hello(self) -> None:
         self._send(
@@ -173,7 +172,9 @@ class RankServer:
         if message[0] == "add" and self.disk is not None:
             _, rid, ids, params, options = message
             options = dict(options)
-            hit = self.disk.lookup(ids)
+            # only the blocks memory lacks are read (memory may still evict them before
+            # admission; then the scheduler drops the read blocks and computes)
+            hit = self.disk.lookup(ids, skip_tokens=self.core.blocks.cached_prefix_tokens(ids))
             if hit is not None:
                 options["preloaded"] = hit
             return ("add", rid, ids, params, options)
@@ -246,10 +247,6 @@ class RankServer:
 
     def report(self, now: float) -> None:
         core = self.core
-        new_stats = list(core.stats)[-min(len(core.stats), core.steps - self.reported_steps) :]
-        if core.steps == self.reported_steps:
-            new_stats = []
-        self.reported_steps = core.steps
         self.last_report = now
         disk = self.disk.stats if self.disk is not None else None
         self._send(
@@ -268,9 +265,6 @@ class RankServer:
                     "rebalances": core.rebalances,
                     "kv_sent_bytes": self.sent_bytes,
                     "kv_received_bytes": self.received_bytes,
-                    "steps": [
-                        (s.prefill_tokens, s.decode_tokens, s.running, s.total_s) for s in new_stats
-                    ],
                 },
             )
         )
