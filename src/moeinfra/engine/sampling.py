@@ -181,29 +181,36 @@ def sample(
             )
         if step < 0:
             raise InputError(f"steps[{i}]={step!r} must be >= 0")
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return tokens
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
     drawn = [params[i] for i in rows]
-    x = logits[rows].float()
-    x = x / torch.tensor([p.temperature for p in drawn], device=x.device)[:, None]
+    x = logits[
+        rows
+    ].float()  # a copy: the steps below work in place (each new [B, V] costs page faults)
+    x.div_(torch.tensor([p.temperature for p in drawn], device=x.device)[:, None])
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in drawn):
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in drawn], device=x.device)
         top_p = torch.tensor([p.top_p for p in drawn], device=x.device)
         x = _top_k_top_p(x, top_k, top_p)
-    probs = x.softmax(dim=-1)
-    noise = torch.empty_like(probs)
+    # E = -log(1 - U) from uniform U (the Exp(1) draw, ~5x faster than Tensor.exponential_ on CPU);
+    # argmax(probs / E) = argmax(x - log E): the softmax's normaliser does not change the argmax.
+    noise = torch.empty_like(x)
     if any(p.seed is None for p in drawn):
-        noise.exponential_()
+        noise.uniform_()
     for r, i in enumerate(rows):
         g = generators[i]
         if g is not None:
             g.manual_seed(_step_seed(params[i].seed, steps[i]))
-            noise[r].exponential_(generator=g)
-    # A zero draw would turn a filtered-out token's 0 / 0 into a NaN that argmax picks.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+            noise[r].uniform_(generator=g)
+    noise.neg_().log1p_().neg_()
+    # A zero draw would turn a filtered-out token's -inf - -inf into a NaN that argmax picks.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
+    tokens[rows] = x.sub_(noise).argmax(dim=-1)
     return tokens
 
 
