@@ -17,6 +17,15 @@ import pytest
         (["serve", "unit", "--server", "tcp://h:1", "--role", "judge"], "--role='judge'"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
+        (["serve", "calibrate"], "exactly one of --url"),
+        (
+            ["serve", "calibrate", "--url", "http://x", "--measurements", "m"],
+            "exactly one of --url",
+        ),
+        (["serve", "calibrate", "--url", "http://127.0.0.1:9"], "--url="),
+        (["serve", "calibrate", "--measurements", "missing.json"], "--measurements="),
+        (["serve", "model", "--calibration", "missing.json"], "--calibration='missing.json'"),
+        (["serve", "simulate", "--calibration", "none", "--tick", "0s"], "--tick='0s'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, names):

@@ -88,6 +88,19 @@ def test_prefix_cache_stores_prompts_and_outputs():
     assert cache.serve([9], input_tokens=3, output_tokens=50) == 0  # no full block: no key
 
 
+def test_prefix_cache_credits_an_answer_once_and_only_to_a_prompt_that_holds_it():
+    cache = PrefixCache(block_tokens=4)
+    system = 100
+    assert cache.serve([system], input_tokens=4, output_tokens=40) == 0  # its answer: 10 blocks
+    # later conversations share the system block but are too short to hold that answer
+    for conversation in range(1, 40):
+        assert cache.serve([system, conversation], input_tokens=8, output_tokens=2) == 4
+    # the conversation's next turn holds it: credited once
+    turn = [system, *range(200, 215)]
+    assert cache.serve(turn, input_tokens=60, output_tokens=2) == 4 * 11
+    assert cache.serve([system, *range(300, 315)], input_tokens=60, output_tokens=2) == 4
+
+
 def test_bad_lines_name_the_line_or_are_counted(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(

@@ -74,10 +74,30 @@ def parse_unit(text: str, name: str, phase: str):
     return Deployment(phase, values[0], redundant_experts=values[1] if len(values) == 2 else 32)
 
 
-def _load_workload(path: Path, skip_bad: bool, hit_ratio: float):
+CALIBRATION_HELP = (
+    "none (the first-principles model) or a calibration file written by moeinfra serve "
+    "calibrate: its hardware, model, unit shapes and fitted factors are used."
+)
+
+
+def _calibration(value: str):
+    from moeinfra.serving.calibration import load_calibration
+
+    return load_calibration(value)
+
+
+def _calibration_summary(calibration) -> dict | str:
+    return "none" if calibration is None else calibration.summary()
+
+
+def _load_workload(path: Path, skip_bad: bool, hit_ratio: float, hash_block_tokens: int = 512):
     from moeinfra.serving.workload import read_trace
 
-    workload, bad = read_trace(path, skip_bad=skip_bad, hit_ratio=hit_ratio)
+    if hash_block_tokens < 1:
+        raise InputError(f"--hash-block-tokens={hash_block_tokens} must be >= 1")
+    workload, bad = read_trace(
+        path, skip_bad=skip_bad, hit_ratio=hit_ratio, hash_block_tokens=hash_block_tokens
+    )
     if bad:
         typer.echo(f"skipped {bad} bad line(s) in {path}", err=True)
     return workload, bad
@@ -121,11 +141,28 @@ def simulate_cmd(
         help="deepseek (published node curve), auto (autoscaling) or P:D (fixed prefill:decode "
         "units).",
     ),
-    prefill_unit: str = typer.Option(
-        "4:32", "--prefill-unit", help="Prefill unit: NODES[:REDUNDANT_EXPERTS] (EP = 8 x nodes)."
+    prefill_unit: str | None = typer.Option(
+        None,
+        "--prefill-unit",
+        help="Prefill unit: NODES[:REDUNDANT_EXPERTS] (EP = GPUs per node x nodes) [4:32, or the "
+        "calibration's].",
     ),
-    decode_unit: str = typer.Option(
-        "18:32", "--decode-unit", help="Decode unit: NODES[:REDUNDANT_EXPERTS] (EP = 8 x nodes)."
+    decode_unit: str | None = typer.Option(
+        None,
+        "--decode-unit",
+        help="Decode unit: NODES[:REDUNDANT_EXPERTS] [18:32, or the calibration's].",
+    ),
+    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    tick: str = typer.Option(
+        "2s", "--tick", help="Simulation time step, e.g. 2s, or 10ms for a short live-scale replay."
+    ),
+    drain: bool = typer.Option(
+        True,
+        "--drain/--no-drain",
+        help="A replayed trace: simulate on after the last arrival until every request finishes.",
+    ),
+    hash_block_tokens: int = typer.Option(
+        512, "--hash-block-tokens", help="Tokens per hash_ids block of a .jsonl trace."
     ),
     gpu_hour_usd: float | None = typer.Option(
         None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's)."
@@ -176,8 +213,12 @@ def simulate_cmd(
     from moeinfra.serving.simulate import SimConfig
 
     trace, bad = (None, 0)
+    cal = _calibration(calibration)
+    tick_s = parse_duration_s(tick, "--tick")
+    if not tick_s > 0:
+        raise InputError(f"--tick={tick!r} must be a duration > 0")
     if workload is not None:
-        trace, bad = _load_workload(workload, skip_bad, hit_ratio)
+        trace, bad = _load_workload(workload, skip_bad, hit_ratio, hash_block_tokens)
     built = build_scenario(
         scenario,
         workload=trace,
@@ -186,9 +227,14 @@ def simulate_cmd(
         scale=scale,
         seed=seed,
         fleet=parse_fleet(fleet),
-        prefill_dep=parse_unit(prefill_unit, "--prefill-unit", "prefill"),
-        decode_dep=parse_unit(decode_unit, "--decode-unit", "decode"),
+        prefill_dep=None
+        if prefill_unit is None
+        else parse_unit(prefill_unit, "--prefill-unit", "prefill"),
+        decode_dep=None
+        if decode_unit is None
+        else parse_unit(decode_unit, "--decode-unit", "decode"),
         gpu_hour_usd=gpu_hour_usd,
+        calibration=cal,
         target=target,
         slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
         slo_ttft_s=(
@@ -210,10 +256,17 @@ def simulate_cmd(
                 bar.update(step)
                 last[0] += step
 
-        result = built.run(SimConfig(balancer=balancer), progress=progress)
+        config = SimConfig(
+            tick_s=tick_s,
+            record_every_s=max(60.0, tick_s),
+            balancer=balancer,
+            drain_s=3600.0 if drain and workload is not None else 0.0,
+        )
+        result = built.run(config, progress=progress)
     payload = result.to_dict()
     payload["scenario"] = scenario
-    payload["hardware"] = hardware
+    payload["hardware"] = built.prefill.hw.name
+    payload["calibration"] = _calibration_summary(cal)
     payload["workload"] = str(workload) if workload else built.workload.name
     if workload is not None:
         payload["bad_lines_skipped"] = bad
@@ -243,7 +296,10 @@ def simulate_cmd(
         typer.echo(json.dumps(payload, indent=2))
         return
     console = Console()
-    table = Table(title=f"{payload['workload']} on {hardware} ({payload['hours']:.2f} h)")
+    table = Table(
+        title=f"{payload['workload']} on {payload['hardware']} ({payload['hours']:.2f} h, "
+        f"calibration {'none' if cal is None else cal.name})"
+    )
     table.add_column("figure")
     table.add_column("simulated", justify="right")
     if workload is None and hours is None:
@@ -291,6 +347,7 @@ def plan_cmd(
     hit_ratio: float = typer.Option(
         0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
     ),
+    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
     """Cheapest fixed fleet (units and EP degree / redundant experts) meeting the SLOs."""
@@ -298,14 +355,16 @@ def plan_cmd(
     from moeinfra.serving.specs import priced_hardware
 
     hw = priced_hardware(hardware, gpu_hour_usd)
+    cal = _calibration(calibration)
     trace, _ = _load_workload(workload, skip_bad, hit_ratio)
     result = plan_capacity(
         trace,
         slo_ttft_p95_s=parse_duration_s(slo_ttft_p95, "--slo-ttft-p95"),
         slo_tpot_p95_s=parse_duration_s(slo_tpot, "--slo-tpot"),
         hw=hw,
+        calibration=cal,
     )
-    payload = result.to_dict()
+    payload = result.to_dict() | {"calibration": _calibration_summary(cal)}
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
@@ -340,6 +399,10 @@ def model_cmd(
     tokens_per_gpu: int = typer.Option(16_384, "--tokens-per-gpu", help="Prefill tokens per GPU."),
     batch: float = typer.Option(64.0, "--batch", help="Decode requests per GPU."),
     kv: float = typer.Option(4_989.0, "--kv", help="Decode mean KV length (tokens)."),
+    prompt_len: float = typer.Option(
+        4096.0, "--prompt-len", help="Prefill prompt length (tokens): attention and LM-head rows."
+    ),
+    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Per-layer time breakdown of one step of one prefill or decode unit."""
@@ -349,13 +412,23 @@ def model_cmd(
 
     if phase not in ("prefill", "decode"):
         raise InputError(f"--phase {phase!r} must be prefill or decode")
-    hw = hardware_spec(hardware)
+    if not (np.isfinite(prompt_len) and prompt_len >= 1):
+        raise InputError(f"--prompt-len={prompt_len} must be a finite number >= 1")
+    cal = _calibration(calibration)
     dep = Deployment(
         phase, nodes or (4 if phase == "prefill" else 18), redundant, tokens_per_gpu=tokens_per_gpu
     )
-    perf = PerfModel(dep, hw)
+    if cal is None:
+        perf = PerfModel(dep, hardware_spec(hardware))
+    else:
+        if nodes is None and phase in cal.units:
+            dep = cal.units[phase]
+        perf = cal.perf_model(dep)
+        hardware = cal.hardware.name
     if phase == "prefill":
-        b = perf.prefill_breakdown()
+        b = perf.prefill_breakdown(
+            attn_keys_per_token=min(prompt_len, tokens_per_gpu) / 2, prompt_len=prompt_len
+        )
         tokens_per_s = b.tokens_per_gpu * perf.gpus / b.step_s
     else:
         b = perf.decode_breakdown(batch, kv)
@@ -363,6 +436,7 @@ def model_cmd(
     payload = {
         "phase": phase,
         "hardware": hardware,
+        "calibration": _calibration_summary(cal),
         "nodes": dep.nodes,
         "gpus": perf.gpus,
         "step_ms": b.step_s * 1e3,

@@ -38,6 +38,12 @@ _EPLB = typer.Option(0, "--eplb-interval", help="Rebalance experts every N steps
 _CACHE_BYTES = typer.Option(1 << 30, "--kv-cache-bytes", help="Byte cap of the on-disk KV cache.")
 _OVERLAP = typer.Option("auto", "--overlap", help="auto, none, prefill or decode.")
 _DELAY = typer.Option(0.0, "--comm-delay", help="Injected seconds per all-to-all payload.")
+_NOOP = typer.Option(
+    False,
+    "--noop-model",
+    help="Benchmarks only: the model's forward returns zeros (the serving stack's own ceiling; "
+    "the output is meaningless).",
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -92,9 +98,37 @@ def register(app: typer.Typer) -> None:
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
         comm_delay: float = _DELAY,
+        noop_model: bool = _NOOP,
+        autoscale: bool = typer.Option(
+            False,
+            "--autoscale",
+            help="Add and remove prefill/decode units with the load (target-utilisation rule).",
+        ),
+        min_prefill_units: int = typer.Option(1, "--min-prefill-units"),
+        max_prefill_units: int = typer.Option(4, "--max-prefill-units"),
+        min_decode_units: int = typer.Option(1, "--min-decode-units"),
+        max_decode_units: int = typer.Option(4, "--max-decode-units"),
+        autoscale_interval: float = typer.Option(
+            10.0, "--autoscale-interval", help="Seconds between autoscaling decisions."
+        ),
+        autoscale_target: float = typer.Option(
+            0.7, "--autoscale-target", help="Busy share units are sized for."
+        ),
     ) -> None:
         """Serve a checkpoint behind an OpenAI-compatible API with prefill/decode units."""
+        from moeinfra.server.autoscale import AutoscalePolicy
         from moeinfra.server.launch import ServeOptions, serve
+
+        policy = (
+            AutoscalePolicy(
+                (min_prefill_units, max_prefill_units),
+                (min_decode_units, max_decode_units),
+                autoscale_interval,
+                autoscale_target,
+            )
+            if autoscale
+            else None
+        )
 
         options = ServeOptions(
             model=model,
@@ -125,6 +159,8 @@ def register(app: typer.Typer) -> None:
             max_model_len=max_model_len,
             drain_timeout_s=drain_timeout,
             comm_delay_s=comm_delay,
+            noop_model=noop_model,
+            autoscale=policy,
         )
         code = serve(options, announce=lambda line: print(line, file=sys.stderr, flush=True))
         raise typer.Exit(code)
@@ -153,6 +189,7 @@ def register(app: typer.Typer) -> None:
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
         comm_delay: float = _DELAY,
+        noop_model: bool = _NOOP,
     ) -> None:
         """Run one unit of engine ranks that joins a running server (on this or another host)."""
         import uuid
@@ -188,8 +225,51 @@ def register(app: typer.Typer) -> None:
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,
             disk_cache_bytes=kv_cache_bytes,
             comm_delay_s=comm_delay,
+            noop_model=noop_model,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
+
+    @app.command("calibrate")
+    def calibrate(
+        url: str | None = typer.Option(
+            None, "--url", help="A live moeinfra server to probe and fit (serve up)."
+        ),
+        measurements: Path | None = typer.Option(
+            None, "--measurements", help="Or a JSON file of measured steps to fit (see docs)."
+        ),
+        name: str | None = typer.Option(None, "--name", help="The calibration's name."),
+        out: Path = typer.Option(
+            Path("calibration.json"), "--out", "-o", help="Where to write the calibration."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Probe prompts' seed."),
+        quiet: bool = typer.Option(False, "--quiet", "-q"),
+    ) -> None:
+        """Fit the serving model's factors to measured step times (a live server's engine steps
+        or a measurements file) and write a calibration for serve model/simulate/plan."""
+        import json
+
+        from tqdm import tqdm
+
+        from moeinfra.errors import InputError
+
+        if (url is None) == (measurements is None):
+            raise InputError("give exactly one of --url (a live server) and --measurements FILE")
+        if url is not None:
+            from moeinfra.server.calibrate import calibrate_live
+
+            bar = tqdm(desc="probe waves", disable=quiet or not sys.stderr.isatty())
+            try:
+                calibration = calibrate_live(
+                    url, name=name, seed=seed, progress=lambda: bar.update(1)
+                )
+            finally:
+                bar.close()
+        else:
+            from moeinfra.serving.calibration import fit_measurements
+
+            calibration = fit_measurements(measurements, name)
+        calibration.save(out)
+        typer.echo(json.dumps(calibration.summary() | {"written": str(out)}, indent=1))
 
     @app.command()
     def bench(

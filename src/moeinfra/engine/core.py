@@ -121,11 +121,14 @@ class Handoff:
 
 @dataclass(frozen=True)
 class StepStats:
-    """One step of one rank: tokens run (prompt / recompute vs. one-token decode), queue sizes
-    after scheduling, and seconds in the model's forward, in LM head + sampling, and in all."""
+    """One step of one rank: tokens run (prompt / recompute vs. one-token decode), the
+    query-key pairs their attention covered, the rows sampled, queue sizes after scheduling, and
+    seconds in the model's forward, in LM head + sampling, and in all."""
 
     prefill_tokens: int
     decode_tokens: int
+    attended_keys: int
+    sampled: int
     running: int
     waiting: int
     forward_s: float
@@ -330,6 +333,10 @@ class EngineCore:
                     c.length for c in scheduled if not c.seq.output_ids or c.length > 1
                 ),
                 decode_tokens=sum(1 for c in scheduled if c.length == 1 and c.seq.output_ids),
+                attended_keys=sum(
+                    c.length * c.start + c.length * (c.length + 1) // 2 for c in scheduled
+                ),
+                sampled=len(sampling),
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 forward_s=forward_s,

@@ -109,9 +109,11 @@ def create_app(
     cache_probe=None,
     metrics=None,
     lifespan=None,
+    model_config: dict | None = None,
 ) -> FastAPI:
     """The ASGI app. ``cache_probe(prompt_ids) -> tokens`` estimates the on-disk prefix hit (for
-    the prefill balancer); ``metrics`` a :class:`~moeinfra.server.metrics.ServerMetrics`."""
+    the prefill balancer); ``metrics`` a :class:`~moeinfra.server.metrics.ServerMetrics`;
+    ``model_config`` the checkpoint's ``config.json`` (served with the step log)."""
     app = FastAPI(title="moeinfra", lifespan=lifespan)
     numbers = itertools.count()
     prefix = uuid.uuid4().hex[:8]
@@ -151,14 +153,46 @@ def create_app(
             for u in router.units.values()
             if u.alive
         }
-        return JSONResponse(
-            {"status": "ok" if status == 200 else "unavailable", "units": units}, status
-        )
+        body = {
+            "status": "ok" if status == 200 else "unavailable",
+            "units": units,
+            "events": list(router.notes)[-20:],  # units lost or drained, autoscaling decisions
+        }
+        return JSONResponse(body, status)
 
     @app.get("/metrics")
     async def prometheus():
         body = metrics.render(router) if metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/calibration/steps")
+    async def steps():
+        """Recent engine steps of every live unit (what ``moeinfra serve calibrate`` fits)."""
+        units = []
+        for u in router.live_units(("prefill", "decode", "colocated")):
+            info = u.ranks[0].info if u.ranks else {}
+            engine = {
+                k: info.get(k)
+                for k in (
+                    "block_size",
+                    "num_kv_blocks",
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "redundant_experts",
+                    "dtype",
+                )
+            }
+            units.append(
+                {
+                    "unit": u.unit_id,
+                    "role": u.role,
+                    "ranks": u.num_ranks,
+                    "host": u.host,
+                    "engine": engine,
+                    "steps": u.step_records(),
+                }
+            )
+        return {"model": model_name, "config": model_config or {}, "units": units}
 
     @app.get("/v1/models")
     async def models():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeinfra.atomicio import atomic_path
+from moeinfra.atomicio import atomic_path, write_text_atomic
 from moeinfra.errors import InputError
 
 
@@ -53,7 +53,7 @@ class BenchResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _block_tokens(block_id: int, block_tokens: int, vocab: int) -> list[int]:
+def token_block(block_id: int, block_tokens: int, vocab: int) -> list[int]:
     rng = np.random.default_rng([int(block_id) & 0xFFFFFFFF, 0x6D6F65])
     return rng.integers(1, vocab, block_tokens).tolist()
 
@@ -103,9 +103,9 @@ def trace_requests(
             first = t if first is None else first
             ids: list[int] = []
             for h in hashes:
-                ids += _block_tokens(h, block_tokens, vocab)
+                ids += token_block(h, block_tokens, vocab)
             if len(ids) < n_in:  # a prompt's own tail
-                ids += _block_tokens(-line_no - 1, n_in - len(ids), vocab)
+                ids += token_block(-line_no - 1, n_in - len(ids), vocab)
             out.append(BenchRequest((t - first) * time_scale, ids[:n_in], n_out))
             if limit is not None and len(out) >= limit:
                 break
@@ -130,7 +130,7 @@ def synthetic_requests(
     if num_requests < 1:
         raise InputError(f"--num-requests={num_requests} must be >= 1")
     rng = np.random.default_rng(seed)
-    system = _block_tokens(10**9, shared_prefix_tokens, vocab)
+    system = token_block(10**9, shared_prefix_tokens, vocab)
     out = []
     for _ in range(num_requests):
         n_in = int(rng.integers(input_tokens[0], input_tokens[1] + 1))
@@ -279,3 +279,43 @@ def plot(results: list[BenchResult], path: Path, title: str = "serve bench") -> 
         fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path
+
+
+def synthetic_trace(
+    path: str | Path,
+    num_requests: int,
+    rate: float,
+    *,
+    block_tokens: int = 64,
+    input_tokens: tuple[int, int] = (100, 500),
+    output_tokens: tuple[int, int] = (16, 64),
+    shared_fraction: float = 0.5,
+    seed: int = 0,
+) -> Path:
+    """Write a Mooncake-style trace: Poisson arrivals at ``rate``/s, uniform lengths, and
+    ``shared_fraction`` of prompts opening with one common ``block_tokens`` system-prompt block
+    (``hash_ids`` name every block, so replaying it live and simulating it share the same prefixes)."""
+    if num_requests < 1 or not rate > 0:
+        raise InputError(f"num_requests={num_requests} must be >= 1 and rate={rate} > 0")
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, num_requests))
+    times -= times[0]
+    lines, next_block = [], 1
+    for t in times:
+        n_in = int(rng.integers(input_tokens[0], input_tokens[1] + 1))
+        blocks = -(-n_in // block_tokens)
+        shared = rng.random() < shared_fraction
+        hashes = ([0] if shared else []) + list(range(next_block, next_block + blocks - shared))
+        next_block += blocks
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": round(float(t) * 1e3, 3),
+                    "input_length": n_in,
+                    "output_length": int(rng.integers(output_tokens[0], output_tokens[1] + 1)),
+                    "hash_ids": hashes,
+                }
+            )
+        )
+    write_text_atomic(Path(path), "\n".join(lines) + "\n")
+    return Path(path)

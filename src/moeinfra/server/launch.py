@@ -24,6 +24,7 @@ from pathlib import Path
 
 from moeinfra.engine.core import EngineConfig
 from moeinfra.errors import InputError
+from moeinfra.server.autoscale import AutoscalePolicy, Autoscaler
 
 
 @dataclass
@@ -51,6 +52,8 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     unit_timeout_s: float = 10.0
     comm_delay_s: float = 0.0
+    autoscale: AutoscalePolicy | None = None
+    noop_model: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_units", "decode_units", "colocated_units"):
@@ -67,6 +70,15 @@ class ServeOptions:
             )
         if self.max_queue < 0:
             raise InputError(f"--max-queue={self.max_queue} must be >= 0")
+        if self.autoscale is not None:
+            for role in ("prefill", "decode"):
+                low, high = self.autoscale.bounds(role)
+                count = getattr(self, f"{role}_units")
+                if not low <= count <= high:
+                    raise InputError(
+                        f"--{role}-units={count} must be within --min-{role}-units={low} and "
+                        f"--max-{role}-units={high} with --autoscale"
+                    )
 
 
 def unit_command(
@@ -91,6 +103,8 @@ def unit_command(
         cmd += ["--kv-cache-bytes", str(options.kv_cache_bytes)]
     if options.comm_delay_s:
         cmd += ["--comm-delay", str(options.comm_delay_s)]
+    if options.noop_model:
+        cmd += ["--noop-model"]
     defaults = EngineConfig()
     for f in fields(EngineConfig):
         value = getattr(options.engine, f.name)
@@ -174,44 +188,62 @@ def serve(options: ServeOptions, announce=print) -> int:
     listener = _listen(options.host, options.port)
     port = listener.getsockname()[1]
 
+    ranks_of = {
+        "prefill": options.prefill_ranks,
+        "decode": options.decode_ranks,
+        "colocated": options.colocated_ranks,
+    }
+
+    def spawn(role: str) -> None:
+        """Start one local unit of ``role`` (it joins the router when its ranks are up)."""
+        unit_id = f"{role}-{uuid.uuid4().hex[:6]}"
+        cmd = unit_command(
+            role, ranks_of[role], router.control_address, options, model_dir, unit_id, os.getpid()
+        )
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        router.expect_unit(unit_id, role, ranks_of[role], proc)
+
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app_: FastAPI):
         await router.start()
+        scaler = None
         try:
-            for role, count, ranks in (
-                ("prefill", options.prefill_units, options.prefill_ranks),
-                ("decode", options.decode_units, options.decode_ranks),
-                ("colocated", options.colocated_units, options.colocated_ranks),
+            for role, count in (
+                ("prefill", options.prefill_units),
+                ("decode", options.decode_units),
+                ("colocated", options.colocated_units),
             ):
                 for _ in range(count):
-                    unit_id = f"{role}-{uuid.uuid4().hex[:6]}"
-                    cmd = unit_command(
-                        role,
-                        ranks,
-                        router.control_address,
-                        options,
-                        model_dir,
-                        unit_id,
-                        os.getpid(),
-                    )
-                    proc = subprocess.Popen(cmd, start_new_session=True)
-                    router.expect_unit(unit_id, role, ranks, proc)
+                    spawn(role)
             await router.wait_ready(options.start_timeout_s)
         except BaseException:
             await router.shutdown()
             raise
+        if options.autoscale is not None:
+            autoscaler = Autoscaler(router, spawn, options.autoscale)
+            app_.state.autoscaler = autoscaler
+            scaler = asyncio.create_task(autoscaler.run())
         units = ", ".join(f"{u.role} {u.unit_id} x{u.num_ranks}" for u in router.units.values())
         announce(
             f"moeinfra serve: ready at http://{options.host}:{port}/v1 (model {name}; units: "
             f"{units or 'none yet'}; control {router.control_address})"
         )
         yield
+        if scaler is not None:
+            scaler.cancel()
         await router.shutdown()
         announce("moeinfra serve: stopped (all units exited)")
 
     limits = ServerLimits(max_model_len=max_model_len)
     app = create_app(
-        router, tokenizer, name, limits, cache_probe=cache_probe, metrics=metrics, lifespan=lifespan
+        router,
+        tokenizer,
+        name,
+        limits,
+        cache_probe=cache_probe,
+        metrics=metrics,
+        lifespan=lifespan,
+        model_config=raw,
     )
     app.state.router = router
     config = uvicorn.Config(

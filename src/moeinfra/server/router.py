@@ -27,6 +27,9 @@ import numpy as np
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.serving.balancers import DecodeLoadBalancer, PrefillLoadBalancer, attention_cost
 
+#: Engine steps kept per rank for ``GET /calibration/steps``.
+STEP_LOG = 8192
+
 
 class Overloaded(Exception):
     """Every queue is full: the client should retry after ``retry_after_s``."""
@@ -55,6 +58,11 @@ class RankState:
     kv_tokens: int = 0
     requests: set = field(default_factory=set)
     report: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
+    busy_s: float = 0.0  # seconds of engine steps reported so far
+    occupancy_s: float = 0.0  # running requests x seconds, from the state reports
+    reported_at: float | None = None
 
 
 @dataclass(eq=False)
@@ -85,6 +93,49 @@ class UnitState:
         peak = total.max(axis=1)
         ok = peak > 0
         return float((total.mean(axis=1)[ok] / peak[ok]).mean()) if ok.any() else None
+
+    def work_done_s(self) -> float:
+        """Unit-seconds of work done so far: the busy seconds of its steps (prefill; ranks step
+        together, the slowest counts), or its slot occupancy (decode: running requests x seconds
+        over its slots, a decode unit being busy as long as anything runs)."""
+        if not self.ranks:
+            return 0.0
+        if self.role == "decode":
+            slots = sum(r.max_num_seqs for r in self.ranks)
+            return sum(r.occupancy_s for r in self.ranks) / max(slots, 1)
+        return max(r.busy_s for r in self.ranks)
+
+    def step_records(self) -> list[dict]:
+        """The unit's recent engine steps that every rank reported, one dict per step: its
+        ``phase`` (``prefill``: prompt tokens only, ``decode``: one-token rows only, else
+        ``mixed``), the busiest rank's ``tokens``, ``attended_keys`` and ``sampled`` rows (it paces
+        the step: ranks meet in every layer's all-to-all) and the slowest rank's ``seconds``."""
+        if not self.ranks:
+            return []
+        by_rank = [{row[0]: row[1:] for row in r.steps} for r in self.ranks]
+        common = set(by_rank[0]).intersection(*by_rank[1:])
+        records = []
+        for step in sorted(common):
+            rows = [ranks[step] for ranks in by_rank]
+            prefill = max(r[0] for r in rows)
+            decode = max(r[1] for r in rows)
+            if prefill + decode == 0:
+                continue
+            phase = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+            # the rank that paces the step: most attention work in prefill (it grows with the
+            # square of a prompt), most rows in decode
+            busiest = max(rows, key=lambda r: (r[2], r[0]) if phase == "prefill" else (r[1], r[2]))
+            records.append(
+                {
+                    "step": step,
+                    "phase": phase,
+                    "tokens": busiest[0] + busiest[1],
+                    "attended_keys": busiest[2],
+                    "sampled": busiest[3],
+                    "seconds": max(r[4] for r in rows),
+                }
+            )
+        return records
 
 
 @dataclass(eq=False)
@@ -340,6 +391,13 @@ class Router:
                 self._output(rank, out)
         elif kind == "state":
             rank.report = message[1]
+            steps = rank.report.pop("steps", ())
+            rank.steps.extend(steps)
+            rank.busy_s += sum(row[5] for row in steps)
+            now = time.monotonic()
+            if rank.reported_at is not None:
+                rank.occupancy_s += rank.report.get("running", 0) * (now - rank.reported_at)
+            rank.reported_at = now
             if self.metrics is not None:
                 self.metrics.unit_state(rank.unit)
         elif kind == "failed":
@@ -369,10 +427,13 @@ class Router:
                 info["kv_address"],
                 info["max_num_seqs"],
                 info.get("pid", 0),
+                info=info,
             )
         )
         unit.ranks.sort(key=lambda r: r.rank)
         unit.last_seen = time.monotonic()
+        if unit.ready:
+            self.notes.append(f"unit {unit.unit_id} ({unit.role}) up on {unit.host}")
 
     def _output(self, rank: RankState, out) -> None:
         tracked = self.requests.get(out.request_id)
@@ -405,6 +466,9 @@ class Router:
                 elif unit.draining and unit.ready and not any(r.requests for r in unit.ranks):
                     self._stop_unit(unit)
                     unit.alive = False
+                    self.notes.append(f"unit {unit.unit_id} ({unit.role}) drained and stopped")
+                    if self.metrics is not None:
+                        self.metrics.unit_gone(unit)
 
     def unit_lost(self, unit: UnitState, why: str) -> None:
         """Drop a unit; retry or fail the requests it held."""

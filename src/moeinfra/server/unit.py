@@ -20,7 +20,7 @@ import pickle
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,7 +43,7 @@ class UnitSpec:
     disk_cache_bytes: int = 1 << 30
     comm_delay_s: float = 0.0
     collective_timeout_s: float = 120.0
-    extra: dict = field(default_factory=dict)
+    noop_model: bool = False
 
 
 def config_digest(model_dir: str | Path) -> str:
@@ -93,6 +93,27 @@ def expert_gpu_load(core):
     return gpu_loads(load, plan.phy2log, plan.logcnt, plan.layout.num_gpus)
 
 
+class NoopModel:
+    """A unit's model with the forward and LM head replaced by zeros (``--noop-model``): what the
+    serving stack around the engine sustains on its own. Benchmarks only."""
+
+    def __init__(self, model, config) -> None:
+        self._model, self._config = model, config
+
+    def __call__(self, input_ids, segments, cache, overlap):
+        import torch
+
+        return torch.zeros(input_ids.numel(), self._config.hidden_size)
+
+    def logits(self, hidden):
+        import torch
+
+        return torch.zeros(hidden.shape[0], self._config.vocab_size)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 class RankServer:
     """One rank's sockets and the glue between them and the engine loop."""
 
@@ -121,6 +142,11 @@ class RankServer:
         self.sent_bytes = self.received_bytes = 0
         self.handoffs_sent = 0
         self.last_report = 0.0
+        self.iteration_began = time.perf_counter()
+        self.stepped = core.steps
+        # (step, seconds from the messages' arrival to the step's outputs sent): what a request
+        # waits per step, the engine's step plus the loop around it (agreement, I/O)
+        self.step_seconds: list[tuple[int, float]] = []
 
     def hello(self) -> None:
         self._send(
@@ -137,6 +163,9 @@ class RankServer:
                     "num_kv_blocks": self.core.config.num_kv_blocks,
                     "block_size": self.core.config.block_size,
                     "max_num_seqs": self.core.config.max_num_seqs,
+                    "max_num_batched_tokens": self.core.config.max_num_batched_tokens,
+                    "redundant_experts": self.core.config.redundant_experts,
+                    "dtype": self.core.config.dtype,
                     "model": config_digest(self.spec.model_dir),
                 },
             )
@@ -165,6 +194,7 @@ class RankServer:
                     except zmq.Again:
                         break
             events = dict(self.poller.poll(0))
+        self.iteration_began = time.perf_counter()
         return messages
 
     def _control_message(self, raw: bytes) -> tuple:
@@ -208,6 +238,9 @@ class RankServer:
         handoffs, self.core.handoffs = self.core.handoffs, []
         for h in handoffs:
             self._push(h)
+        if self.core.steps != self.stepped:
+            self.stepped = self.core.steps
+            self.step_seconds.append((self.stepped, time.perf_counter() - self.iteration_began))
         now = time.monotonic()
         if now - self.last_report >= REPORT_S:
             self.report(now)
@@ -265,9 +298,26 @@ class RankServer:
                     "rebalances": core.rebalances,
                     "kv_sent_bytes": self.sent_bytes,
                     "kv_received_bytes": self.received_bytes,
+                    "steps": self._new_steps(),
                 },
             )
         )
+
+    def _new_steps(self) -> list[tuple]:
+        """``(step, prefill tokens, decode tokens, attended keys, sampled rows, seconds)`` of the
+        steps since the last report (the server joins the ranks' rows of a step by its number)."""
+        core, timed = self.core, self.step_seconds
+        self.step_seconds = []
+        stats = list(core.stats)
+        rows = []
+        for step, seconds in timed:
+            back = core.steps - step  # core.stats[-1] is the latest step
+            if back < len(stats):
+                s = stats[-1 - back]
+                rows.append(
+                    (step, s.prefill_tokens, s.decode_tokens, s.attended_keys, s.sampled, seconds)
+                )
+        return rows
 
     def close(self) -> None:
         if self.writer is not None:
@@ -303,6 +353,8 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
             )
         comm = Communicator(delay_s=spec.comm_delay_s)
         core = EngineCore(Path(spec.model_dir), spec.engine, comm)
+        if spec.noop_model:
+            core.model = NoopModel(core.model, core.model_config)
         server = RankServer(spec, rank, core)
         try:
             server.hello()

@@ -98,6 +98,12 @@ class Efficiency:
     step_overhead_s: per forward step, host-side scheduling plus kernel-launch gaps: ~1.5 ms + ~2 ms
         measured by Alibaba's RTP-LLM on H800 in DeepSeek's EP144 decode configuration.
     memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
+    gemm_time / attention_time / comm_time: multipliers on the modelled GEMM (projections, experts,
+        gate, dense MLPs, LM head), core-attention and all-to-all (bandwidth and low-latency) times;
+        1 in the first-principles model, fitted by a calibration
+        (:mod:`moeinfra.serving.calibration`).
+    request_overhead_s: seconds a request spends outside the units before its first token (API
+        server, router, transport); 0 in the first-principles model, measured by a live calibration.
     """
 
     gemm_tflops: dict[str, dict[int, float]] = field(
@@ -125,6 +131,10 @@ class Efficiency:
     comm_launch_s: float = 10e-6
     step_overhead_s: float = 3.5e-3
     memory_usable: float = 0.9
+    gemm_time: float = 1.0
+    attention_time: float = 1.0
+    comm_time: float = 1.0
+    request_overhead_s: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))
@@ -187,6 +197,8 @@ class PerfModel:
     """Time model of one deployment unit (``dep``) of ``model`` on ``hw``.
 
     The expert imbalance (EPLB plan on a synthetic skewed load) is computed once here.
+    ``kv_tokens_per_gpu`` fixes the KV-cache capacity (an engine's configured blocks) instead of
+    deriving it from HBM left after the weights.
     """
 
     def __init__(
@@ -197,8 +209,10 @@ class PerfModel:
         eff: Efficiency = DEFAULT_EFFICIENCY,
         *,
         balance: ExpertBalance | None = None,
+        kv_tokens_per_gpu: float | None = None,
     ) -> None:
         self.dep, self.hw, self.model, self.eff = dep, hw, model, eff
+        self._kv_tokens_per_gpu = kv_tokens_per_gpu
         self.gpus = dep.gpus(hw)
         self.balance = balance if balance is not None else expert_balance(model, hw, dep)
         # per GEMM role: (log2 rows, achieved FLOP/s on this hardware) from DeepGEMM's H800 table
@@ -238,13 +252,15 @@ class PerfModel:
     @property
     def kv_capacity_tokens_per_gpu(self) -> float:
         """KV-cache tokens one GPU holds after weights (0 when the weights do not fit)."""
+        if self._kv_tokens_per_gpu is not None:
+            return float(self._kv_tokens_per_gpu)
         free = self.hw.hbm_gb * 1e9 * self.eff.memory_usable - self.weight_bytes_per_gpu
         return max(free, 0.0) / self.model.kv_bytes_per_token
 
     # ---- primitives ------------------------------------------------------------------------
     def _gemm(self, flops, weight_bytes, sm_fraction: float = 1.0):
         hw, eff = self.hw, self.eff
-        return np.maximum(
+        return eff.gemm_time * np.maximum(
             flops / (hw.fp8_tflops * 1e12 * eff.gemm * sm_fraction),
             weight_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
         )
@@ -255,7 +271,7 @@ class PerfModel:
         log_rows, peak = self._gemm_tables[role]
         rows = np.maximum(np.asarray(rows, dtype=np.float64), 2.0 ** log_rows[0])
         achieved = np.interp(np.log2(rows), log_rows, peak) * sm_fraction
-        return groups * 2.0 * rows * n * k / achieved
+        return self.eff.gemm_time * groups * 2.0 * rows * n * k / achieved
 
     def _mla_projections(self, tokens, up_tokens, sm_fraction: float = 1.0):
         """The four MLA projection GEMMs for ``tokens`` rows; the kv up-projection runs on
@@ -292,7 +308,7 @@ class PerfModel:
 
     def _attention(self, flops, kv_bytes, sm_fraction: float = 1.0):
         hw, eff = self.hw, self.eff
-        return np.maximum(
+        return eff.attention_time * np.maximum(
             flops / (hw.bf16_tflops * 1e12 * eff.attention_compute * sm_fraction),
             kv_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
         )
@@ -301,14 +317,14 @@ class PerfModel:
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP normal kernels."""
         m, dep = self.model, self.dep
         if dep.nodes == 1:
-            bw = self.hw.nvlink_gb_per_s * 1e9 * self.eff.nvlink
+            bw = self.hw.nvlink_gb_per_s * 1e9 * self.eff.nvlink / self.eff.comm_time
             dests = min(m.experts_per_token, self.gpus) * (1 - 1 / self.gpus)
             return (
                 tokens * DISPATCH_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
                 tokens * COMBINE_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
             )
         remote = self.balance.nodes_per_token * (1 - 1 / dep.nodes)
-        recv = tokens * remote * self.balance.imbalance
+        recv = tokens * remote * self.balance.imbalance * self.eff.comm_time
         return (
             recv * DISPATCH_BYTES_PER_TOKEN / self._rdma_bw[0] + self.eff.comm_launch_s,
             recv * COMBINE_BYTES_PER_TOKEN / self._rdma_bw[1] + self.eff.comm_launch_s,
@@ -317,8 +333,8 @@ class PerfModel:
     def _a2a_low_latency(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP low-latency kernels."""
         scale = tokens * self.balance.imbalance / 128.0
-        fixed = self.eff.ll_fixed_share
-        return tuple(self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
+        fixed, f = self.eff.ll_fixed_share, self.eff.comm_time
+        return tuple(f * self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
 
     @cached_property
     def _decode_gemm_curves(self):
@@ -349,12 +365,14 @@ class PerfModel:
         tokens_per_gpu: float | None = None,
         cached_per_token: float = 0.0,
         attn_keys_per_token: float | None = None,
+        prompt_len: float = 4096.0,
     ) -> LayerBreakdown:
         """One prefill step where each GPU computes ``tokens_per_gpu`` uncached prompt tokens.
 
         ``attn_keys_per_token``: mean keys each new token attends to (cached prefix + causal half of
         the new part); default half of ``tokens_per_gpu`` capped at a 4K prompt.
         ``cached_per_token``: cache-hit tokens per computed token (their latent KV is up-projected).
+        ``prompt_len``: computed tokens per prompt; the LM head and sampling run once per prompt.
         """
         m, eff = self.model, self.eff
         n = float(self.dep.tokens_per_gpu if tokens_per_gpu is None else tokens_per_gpu)
@@ -379,7 +397,7 @@ class PerfModel:
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
         parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
-        return self._assemble("prefill", n, mb, *parts, head_tokens=n / 4096.0)
+        return self._assemble("prefill", n, mb, *parts, head_tokens=n / max(prompt_len, 1.0))
 
     def prefill_seconds_per_token(
         self, cached_fraction: float = 0.0, mean_prompt: float = 4096.0
@@ -388,7 +406,9 @@ class PerfModel:
         computed = max(1.0 - cached_fraction, 1e-6)
         keys = mean_prompt * cached_fraction + mean_prompt * computed / 2
         b = self.prefill_breakdown(
-            cached_per_token=cached_fraction / computed, attn_keys_per_token=keys
+            cached_per_token=cached_fraction / computed,
+            attn_keys_per_token=keys,
+            prompt_len=max(mean_prompt * computed, 1.0),
         )
         return b.step_s / (b.tokens_per_gpu * self.gpus)
 

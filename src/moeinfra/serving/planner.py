@@ -9,12 +9,13 @@ simulations of the workload, and the cheapest candidate of each side is kept.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from moeinfra.errors import InputError
-from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.calibration import Calibration
+from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.scenario import decode_seconds_per_token
 from moeinfra.serving.schedule import constant_schedule
 from moeinfra.serving.simulate import REJECTED, SimConfig, json_ready, simulate
@@ -99,6 +100,7 @@ def plan_capacity(
     decode_candidates=DECODE_CANDIDATES,
     max_units: int = 256,
     config: SimConfig | None = None,
+    calibration: Calibration | None = None,
 ) -> CapacityPlan:
     """Cheapest fleet meeting TTFT p95 <= ``slo_ttft_p95_s`` and per-request TPOT p95 <=
     ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet."""
@@ -109,6 +111,10 @@ def plan_capacity(
     if workload.size == 0:
         raise InputError("workload holds no request")
     hw = hardware(hw) if isinstance(hw, str) else hw
+    eff, kv = DEFAULT_EFFICIENCY, None
+    if calibration is not None:
+        hw = replace(calibration.hardware, gpu_hour_usd=hw.gpu_hour_usd)
+        model, eff, kv = calibration.model, calibration.efficiency(), calibration.kv_tokens_per_gpu
     config = config or SimConfig()
     hours = workload.duration_s / 3600.0
     inputs = workload.input_tokens.astype(np.float64)
@@ -119,7 +125,9 @@ def plan_capacity(
     for phase, cands in (("prefill", prefill_candidates), ("decode", decode_candidates)):
         for nodes, red in cands:
             try:
-                models[(phase, nodes, red)] = PerfModel(Deployment(phase, nodes, red), hw, model)
+                models[(phase, nodes, red)] = PerfModel(
+                    Deployment(phase, nodes, red), hw, model, eff, kv_tokens_per_gpu=kv
+                )
             except InputError:
                 continue
     if not any(k[0] == "prefill" for k in models) or not any(k[0] == "decode" for k in models):

@@ -17,21 +17,29 @@ class PrefixCache:
     def __init__(self, block_tokens: int = 512) -> None:
         self.block_tokens = block_tokens
         self._stored: set = set()
-        # last full prompt block of a request -> (its full prompt blocks, full blocks its output adds)
-        self._continued: dict = {}
+        # an earlier request's full prompt blocks -> full blocks its output adds after them
+        self._continued: dict[tuple, int] = {}
 
     def serve(self, hash_ids: list, input_tokens: int, output_tokens: int) -> int:
-        """Cached prefix (tokens) of this prompt; then store what its prefill and decode write."""
+        """Cached prefix (tokens) of this prompt; then store what its prefill and decode write.
+
+        An earlier answer counts only for a prompt that repeats that request's whole prompt (all
+        its full blocks) and is long enough to hold the answer after it, and only once: the
+        conversation's next turn. A first block every conversation shares (a system prompt)
+        credits no answer to the prompts that merely start with it."""
         hits = 0
         while hits < len(hash_ids) and hash_ids[hits] in self._stored:
             hits += 1
         if hits:
-            full, written = self._continued.get(hash_ids[hits - 1], (0, 0))
-            if full == hits:
+            key = tuple(hash_ids[:hits])
+            written = self._continued.get(key, 0)
+            if written and input_tokens >= (hits + written) * self.block_tokens:
+                del self._continued[key]
                 hits = min(hits + written, len(hash_ids))
         self._stored.update(hash_ids)
         full = min(input_tokens // self.block_tokens, len(hash_ids))
         if full:
             added = (input_tokens + output_tokens) // self.block_tokens - full
-            self._continued[hash_ids[full - 1]] = (full, added)
+            if added:
+                self._continued[tuple(hash_ids[:full])] = added
         return hits * self.block_tokens

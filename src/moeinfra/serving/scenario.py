@@ -7,11 +7,12 @@ cache-hit statistics, the node curve with 18-node decode and 4-node prefill unit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from moeinfra.errors import InputError
+from moeinfra.serving.calibration import Calibration
 from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
@@ -211,6 +212,7 @@ def build_scenario(
     block: tuple[int, int] | None = None,
     balancer: str = "deepseek",
     gpu_hour_usd: float | None = None,
+    calibration: Calibration | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
@@ -218,14 +220,27 @@ def build_scenario(
     (the published node curve); ``fleet=(P, D)`` runs P prefill and D decode units throughout.
     ``balancer`` (``"deepseek"`` or ``"baseline"``, as in :class:`SimConfig`) is the in-unit
     balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
-    preset's price."""
+    preset's price. With a ``calibration``, its hardware, model and fitted factors replace
+    ``hardware_name`` and the first-principles figures, and its measured unit shapes are the
+    default units."""
     if balancer not in BALANCERS:
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
-    hw = priced_hardware(hardware_name, gpu_hour_usd)
-    prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, DEEPSEEK_V3)
-    decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, DEEPSEEK_V3)
+    if calibration is None:
+        hw = priced_hardware(hardware_name, gpu_hour_usd)
+        prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, DEEPSEEK_V3)
+        decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, DEEPSEEK_V3)
+    else:
+        if gpu_hour_usd is not None:
+            calibration = replace(
+                calibration, hardware=replace(calibration.hardware, gpu_hour_usd=gpu_hour_usd)
+            )
+        units = calibration.units
+        prefill = calibration.perf_model(
+            prefill_dep or units.get("prefill") or deepseek_prefill_unit()
+        )
+        decode = calibration.perf_model(decode_dep or units.get("decode") or deepseek_decode_unit())
     if workload is None:
         if hours is not None and not 0 < hours <= 24:
             raise InputError(f"hours={hours} must be in (0, 24]")

@@ -136,6 +136,17 @@ def interval_spans(duration_s: float, interval_s: float) -> np.ndarray:
 DEFAULT_TARGET = 0.7
 
 
+def units_for_work(work_s, span_s, target: float = DEFAULT_TARGET, min_units: int = 1):
+    """The target-utilisation rule: whole units whose busy share would be ``target`` for
+    ``work_s`` unit-seconds of work over ``span_s`` seconds (at least ``min_units``); broadcasts.
+    The simulator's autoscaler applies it to the work arriving per interval, the live server's
+    (``moeinfra.server.autoscale``) to the work its units did in the last interval."""
+    if not 0 < target <= 1:
+        raise InputError(f"target={target} must be in (0, 1]")
+    units = np.ceil(np.asarray(work_s, dtype=np.float64) / (np.asarray(span_s) * target))
+    return np.maximum(units, min_units).astype(np.int64)
+
+
 def utilisation_schedule(
     arrival_s: np.ndarray,
     prefill_work_s: np.ndarray,
@@ -161,23 +172,21 @@ def utilisation_schedule(
     """
     if block is not None and (len(block) != 2 or min(block) < 1):
         raise InputError(f"block={block!r} must be (prefill units, decode units), both >= 1")
-    if not 0 < target <= 1:
-        raise InputError(f"target={target} must be in (0, 1]")
     if interval_s <= 0:
         raise InputError(f"interval_s={interval_s} must be > 0")
     span = interval_spans(duration_s, interval_s)
     k = span.size
     slot = np.minimum((arrival_s // interval_s).astype(np.int64), k - 1)
-    prefill = np.bincount(slot, weights=prefill_work_s, minlength=k) / (span * target)
-    decode = np.bincount(slot, weights=decode_work_s, minlength=k) / (span * target)
-    p = np.maximum(np.ceil(prefill), min_units).astype(np.int64)
+    prefill = np.bincount(slot, weights=prefill_work_s, minlength=k)
+    decode = np.bincount(slot, weights=decode_work_s, minlength=k)
+    p = units_for_work(prefill, span, target, min_units)
     if prefill_floor is not None:
         if np.shape(prefill_floor) != (k,):
             raise InputError(
                 f"prefill_floor has shape {np.shape(prefill_floor)}; one value per interval ({k},)"
             )
         p = np.maximum(p, np.asarray(prefill_floor, dtype=np.int64))
-    d = np.maximum(np.ceil(decode), min_units).astype(np.int64)
+    d = units_for_work(decode, span, target, min_units)
     if block is not None:
         blocks = np.maximum(-(-p // block[0]), -(-d // block[1]))
         p, d = blocks * block[0], blocks * block[1]

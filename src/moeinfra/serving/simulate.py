@@ -38,7 +38,9 @@ class SimConfig:
 
     tick_s: decode time step. max_prefill_wait_s / max_decode_wait_s: queueing beyond which a request
     is rejected. balancer: ``"deepseek"`` (the balancers of this package) or ``"baseline"``
-    (round robin / least requests) for the DP ranks inside a unit.
+    (round robin / least requests) for the DP ranks inside a unit. drain_s: after the workload's
+    window, go on simulating for up to this long so the requests in flight finish (their tokens
+    and latencies count; the fleet's cost stays the window's).
     """
 
     tick_s: float = 2.0
@@ -47,8 +49,11 @@ class SimConfig:
     balancer: str = "deepseek"
     prices: Prices = R1_PRICES
     record_every_s: float = 60.0
+    drain_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.drain_s < float("inf"):
+            raise InputError(f"drain_s={self.drain_s} must be >= 0 and finite")
         if self.tick_s <= 0 or self.record_every_s < self.tick_s:
             raise InputError(
                 f"tick_s={self.tick_s} must be > 0 and record_every_s={self.record_every_s} >= tick_s"
@@ -203,8 +208,9 @@ def simulate(
     a_from = np.zeros(0)
 
     ticks = int(np.ceil(duration / cfg.tick_s))
+    last_tick = ticks + int(np.ceil(cfg.drain_s / cfg.tick_s)) - 1
     rec_every = max(1, int(round(cfg.record_every_s / cfg.tick_s)))
-    n_rec = -(-ticks // rec_every)
+    n_rec = -(-(last_tick + 1) // rec_every)
     rec_batch = np.zeros((n_rec, d_max))
     rec_kv = np.zeros((n_rec, d_max))
     rec_step = np.full((n_rec, d_max), np.nan)
@@ -218,9 +224,13 @@ def simulate(
     last_step = np.full(d_max, 0.02)
     lo = 0
     work_done_rec = np.zeros(p_max)
-    for tick in range(ticks):
+    end = duration
+    for tick in range(last_tick + 1):
+        if tick >= ticks and not (a_idx.size or pend.size):
+            break
         t0 = tick * cfg.tick_s
-        t1 = min(t0 + cfg.tick_s, duration)
+        t1 = min(t0 + cfg.tick_s, duration) if tick < ticks else t0 + cfg.tick_s
+        end = max(end, t1)
         p_units, d_units = (int(x) for x in schedule.at(t0))
         # ---- arrivals -> prefill ----
         hi = int(np.searchsorted(arrival, t1, side="left"))
@@ -317,7 +327,8 @@ def simulate(
             rec_batch[r] += batch / rec_every
             rec_kv[r] += kv_tokens * S / kv_cap_unit / rec_every
             rec_step[r] = np.where(active, step, rec_step[r])
-        if (tick + 1) % rec_every == 0 or tick == ticks - 1:
+        drained = tick + 1 >= ticks and not (a_idx.size or pend.size)
+        if (tick + 1) % rec_every == 0 or tick == last_tick or (drained and cfg.drain_s):
             span = (tick % rec_every + 1) * cfg.tick_s
             rec_putil[r] = np.minimum(work_done_rec / span, 1.0)
             work_done_rec[:] = 0.0
@@ -326,7 +337,11 @@ def simulate(
     done_tokens[a_idx] = a_done
 
     # ---- accounting ----
-    prefilled = np.isfinite(first_token) & (first_token < duration)
+    prefilled = np.isfinite(first_token) & (first_token < end)
+    n_rec = -(-int(np.ceil(end / cfg.tick_s)) // rec_every)
+    rec_batch, rec_kv, rec_step, rec_putil = (
+        x[:n_rec] for x in (rec_batch, rec_kv, rec_step, rec_putil)
+    )
     tpot = np.full(n, np.nan)
     ok = (status == COMPLETED) & (outputs > 1)
     tpot[ok] = (finish_t[ok] - first_token[ok]) / (outputs[ok] - 1)

@@ -29,7 +29,8 @@ class PrefillCost:
 
     ``work_s``: unit-seconds the request occupies the unit at its nominal batch (its share of the
     uncached tokens, its attention cost, the slowest DP rank). ``min_latency_s``: the step of its own
-    tokens alone, the fastest its first token can come. ``imbalance``: DP-rank imbalance factors.
+    tokens alone plus the time outside the units (``Efficiency.request_overhead_s``), the fastest
+    its first token can come. ``imbalance``: DP-rank imbalance factors.
     """
 
     work_s: np.ndarray
@@ -54,6 +55,7 @@ def prefill_cost(
     nominal = prefill.prefill_breakdown(
         cached_per_token=hit / max(1 - hit, 1e-6),
         attn_keys_per_token=mean_in * hit + mean_in * (1 - hit) / 2,
+        prompt_len=max(mean_in * (1 - hit), 1.0),
     )
     attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
     imb = dp_imbalance(prefill, decode, workload, balancer, attn_share)
@@ -62,11 +64,14 @@ def prefill_cost(
     work = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
     work *= imb["prefill"]
     grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
-    grid_s = np.array([prefill.prefill_breakdown(tokens_per_gpu=g).step_s for g in grid])
+    grid_s = np.array(
+        [prefill.prefill_breakdown(tokens_per_gpu=g, prompt_len=g).step_s for g in grid]
+    )
     per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
     min_latency = np.interp(per_rank, grid, grid_s) * np.maximum(
         1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
     )
+    min_latency += prefill.eff.request_overhead_s
     return PrefillCost(work, min_latency, s_per_token, attn_share, imb)
 
 

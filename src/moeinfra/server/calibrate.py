@@ -1,0 +1,312 @@
+"""``moeinfra serve calibrate --url URL``: fit the serving model to a live server's engine steps.
+
+The server keeps its units' recent engine steps (``GET /calibration/steps``: per step, the busiest
+rank's tokens, attended keys and sampled rows and the slowest rank's seconds). Calibrating sends a
+probe load that spans the step sizes — single prompts of growing length, bursts of prompts, and
+decode batches from one request up to the decode slots — reads the steps back, bins similar ones
+(median seconds), and fits the performance model's factors on two bins in three, validating on
+the third (:func:`moeinfra.serving.calibration.fit_calibration`). The hardware is this host's
+measured single-thread matmul rate and copy bandwidth; the model is the server's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.errors import InputError
+from moeinfra.server.bench import BenchRequest, replay, token_block
+from moeinfra.serving.calibration import Calibration, StepPoint, fit_calibration, model_spec
+from moeinfra.serving.specs import Deployment, HardwareSpec
+
+#: Token ids of probe prompts are drawn below this (any id the tokenizer knows; step times do not
+#: depend on which).
+PROBE_VOCAB = 1000
+PHASES_OF_ROLE = {
+    "prefill": ("prefill",),
+    "decode": ("decode",),
+    "colocated": ("prefill", "decode"),
+}
+
+
+def measure_host(ranks: int, seconds: float = 0.3) -> HardwareSpec:
+    """This host as a :class:`HardwareSpec` of ``ranks`` "GPUs" (one engine rank each, one thread):
+    FP32 matmul rate for both compute figures, memory copy bandwidth for HBM and the links."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(256, 256)
+        flops = []
+        began = time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            t = time.perf_counter()
+            for _ in range(8):
+                a @ a
+            flops.append(8 * 2 * 256**3 / (time.perf_counter() - t))
+        src = torch.empty(8 << 20)
+        dst = torch.empty_like(src)
+        copies = []
+        began = time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            t = time.perf_counter()
+            dst.copy_(src)
+            copies.append(2 * src.numel() * 4 / (time.perf_counter() - t))
+    finally:
+        torch.set_num_threads(threads)
+    tflops = float(np.median(flops)) / 1e12
+    gb_s = float(np.median(copies)) / 1e9
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / max(ranks, 1)
+    return HardwareSpec(
+        name=f"cpu:{os.uname().nodename}",
+        gpus_per_node=ranks,
+        fp8_tflops=tflops,
+        bf16_tflops=tflops,
+        hbm_gb=memory_gb,
+        hbm_tb_per_s=gb_s / 1e3,
+        nvlink_gb_per_s=gb_s,
+        rdma_gb_per_s=gb_s,
+        num_sms=1,
+        gpu_hour_usd=0.0,
+    )
+
+
+def probe_load(
+    vocab: int, max_prompt: int, decode_slots: int, seed: int = 0
+) -> list[list[BenchRequest]]:
+    """Waves of requests (each wave sent at once, waves one after another) that span the steps:
+    single prompts of 16 tokens up to ``max_prompt``, bursts of 2-8 prompts, and decode batches of
+    1 request up to ``decode_slots``."""
+    rng = np.random.default_rng(seed)
+    tag = iter(range(1 << 30))
+
+    def prompt(n: int) -> list[int]:  # never seen before: no prefix-cache hits
+        return token_block(10**12 + seed * 10**6 + next(tag), n, vocab)
+
+    waves = []
+    lengths = np.unique(np.geomspace(16, max(max_prompt, 16), 7).astype(int))
+    for n in lengths:
+        waves.append([BenchRequest(0.0, prompt(int(n)), 2)])
+    for k in (2, 4, 8):
+        sizes = rng.integers(32, max(min(max_prompt, 512), 33), k)
+        waves.append([BenchRequest(0.0, prompt(int(n)), 2) for n in sizes])
+    batch = 1
+    while batch <= decode_slots:
+        sizes = rng.integers(16, max(min(max_prompt // 2, 384), 17), batch)
+        waves.append([BenchRequest(0.0, prompt(int(n)), 48) for n in sizes])
+        batch *= 2
+    return waves
+
+
+def step_points(units: list[dict]) -> list[StepPoint]:
+    """Binned :class:`StepPoint` of the ``units`` of ``GET /calibration/steps`` (prefill steps of
+    prefill and colocated units, decode steps of decode and colocated units; mixed steps left out).
+    A bin: one phase and unit shape, tokens within a quarter octave (prefill) or equal (decode),
+    attended keys per token within half an octave."""
+    bins: dict[tuple, list[dict]] = defaultdict(list)
+    for unit in units:
+        engine = unit["engine"]
+        shape = (
+            unit["ranks"],
+            int(engine.get("redundant_experts") or 0),
+            2 if unit["ranks"] > 1 else 1,
+        )
+        for s in unit["steps"]:
+            phase = s["phase"]
+            if phase not in PHASES_OF_ROLE[unit["role"]]:
+                continue
+            keys = s["attended_keys"] / max(s["tokens"], 1)
+            size = round(np.log2(s["tokens"]) * 4) if phase == "prefill" else s["tokens"]
+            bins[(phase, shape, size, round(np.log2(keys + 1) * 2))].append(s | {"keys": keys})
+    points = []
+    for (phase, (_ranks, redundant, mb), _, _), rows in sorted(bins.items()):
+        points.append(
+            StepPoint(
+                phase,
+                tokens=float(np.mean([r["tokens"] for r in rows])),
+                keys=float(np.mean([r["keys"] for r in rows])),
+                sampled=float(np.mean([r["sampled"] for r in rows])),
+                seconds=float(np.median([r["seconds"] for r in rows])),
+                nodes=1,
+                redundant_experts=redundant,
+                micro_batches=mb,
+                steps=len(rows),
+            )
+        )
+    return points
+
+
+async def _get_steps(url: str) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        try:
+            r = await client.get(f"{url}/calibration/steps")
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as err:
+            raise InputError(
+                f"--url={url!r}: no moeinfra server answers GET /calibration/steps ({err})"
+            ) from None
+
+
+def calibrate_live(
+    url: str, *, name: str | None = None, seed: int = 0, progress=None
+) -> Calibration:
+    """Probe the server at ``url``, read its steps back and fit a calibration."""
+    url = url.rstrip("/").removesuffix("/v1")
+    info = asyncio.run(_get_steps(url))
+    units = info["units"]
+    if not units:
+        raise InputError(f"--url={url!r}: the server has no live unit to measure")
+    ranks = {u["ranks"] for u in units}
+    if len(ranks) != 1:
+        raise InputError(
+            f"--url={url!r}: units of {sorted(ranks)} ranks; calibrate needs one rank count "
+            "(serve up with equal --prefill-ranks and --decode-ranks)"
+        )
+    config = info["config"]
+    decode = [u for u in units if u["role"] != "prefill"]
+    prefill = [u for u in units if u["role"] != "decode"]
+    engine = decode[0]["engine"]
+    slots = sum(u["engine"]["max_num_seqs"] * u["ranks"] for u in decode)
+    max_prompt = min(
+        int(prefill[0]["engine"]["max_num_batched_tokens"]),
+        int(engine["num_kv_blocks"]) * int(engine["block_size"]) // 4,
+        1024,
+    )
+    waves = probe_load(PROBE_VOCAB, max_prompt, min(slots, 64), seed)
+    for wave in waves:
+        results, _ = asyncio.run(replay(url, wave))
+        failed = [r.error for r in results if r.error]
+        if failed:
+            raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
+        if progress is not None:
+            progress()
+    alone = asyncio.run(
+        _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
+    )
+    info = asyncio.run(_get_steps(url))
+    points = step_points(info["units"])
+    ranks_per_unit = ranks.pop()
+    hw = measure_host(ranks_per_unit)
+    redundant = int(engine.get("redundant_experts") or 0)
+    mb = 2 if ranks_per_unit > 1 else 1
+    calibration = fit_calibration(
+        name or f"live-{os.uname().nodename}",
+        f"moeinfra serve calibrate --url {url} (model {info['model']}, "
+        f"{len(units)} unit(s) of {ranks_per_unit} rank(s), {time.strftime('%Y-%m-%d')})",
+        points,
+        hw,
+        model_spec(config, info["model"]),
+        gemm_table="flat",
+        units={
+            "prefill": Deployment(
+                "prefill",
+                1,
+                redundant_experts=int(prefill[0]["engine"].get("redundant_experts") or 0),
+                micro_batches=mb,
+                tokens_per_gpu=int(prefill[0]["engine"]["max_num_batched_tokens"]),
+            ),
+            "decode": Deployment("decode", 1, redundant_experts=redundant, micro_batches=mb),
+        },
+        kv_tokens_per_gpu=float(int(engine["num_kv_blocks"]) * int(engine["block_size"])),
+    )
+    return replace(
+        calibration,
+        factors=calibration.factors | {"request_overhead_s": request_overhead(calibration, alone)},
+    )
+
+
+async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[tuple[int, float]]:
+    """``(prompt tokens, time to first token)`` of ``prompts`` sent one after another, each on a
+    new connection as most requests of a replay are (the first, a warm-up, left out)."""
+    import httpx
+
+    from moeinfra.server.bench import _one
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+    out = []
+    for ids in prompts:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await _one(client, url, model, BenchRequest(0.0, ids, 1), time.perf_counter())
+        if r.error is not None:
+            raise InputError(f"--url={url!r}: a probe request failed: {r.error}")
+        out.append((r.prompt_tokens, r.ttft_s))
+    return out[1:]
+
+
+def request_overhead(calibration: Calibration, alone: list[tuple[int, float]]) -> float:
+    """Median time to first token of prompts sent alone beyond the modelled prefill step of
+    their tokens: the API server, router and transport (>= 0; a client's connection set-up is
+    not included)."""
+    prefill = calibration.perf_model(calibration.units["prefill"])
+    extra = [
+        ttft - prefill.prefill_breakdown(tokens_per_gpu=n, prompt_len=n).step_s
+        for n, ttft in alone
+        if ttft is not None
+    ]
+    return max(float(np.median(extra)), 0.0) if extra else 0.0
+
+
+def predict_replay(
+    trace: str | Path,
+    calibration: Calibration,
+    *,
+    prefill_units: int = 1,
+    decode_units: int = 1,
+    block_tokens: int = 64,
+    tick_s: float = 0.005,
+) -> dict:
+    """The calibrated simulator's figures for replaying ``trace`` on a fixed fleet, in the shape of
+    :func:`moeinfra.server.bench.summarize` (latency percentiles in seconds, throughput over the
+    time from the first arrival to the last finish)."""
+    from moeinfra.server.bench import _pct
+    from moeinfra.serving.scenario import build_scenario
+    from moeinfra.serving.simulate import COMPLETED, SimConfig
+    from moeinfra.serving.workload import read_trace
+
+    workload, _ = read_trace(trace, hash_block_tokens=block_tokens)
+    scenario = build_scenario(
+        workload=workload, fleet=(prefill_units, decode_units), calibration=calibration
+    )
+    result = scenario.run(SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0))
+    done = result.status == COMPLETED
+    span = float(np.nanmax(result.finish_s)) if done.any() else float("nan")
+    outputs = float(workload.output_tokens[done].sum())
+    return {
+        "requests": int(workload.size),
+        "completed": int(done.sum()),
+        "ttft_s": _pct(x for x in result.ttft_s[done]),
+        "tpot_s": _pct(x for x in result.tpot_s[done] if np.isfinite(x)),
+        "throughput": {"output_tokens_per_s": outputs / span if span > 0 else 0.0},
+        "cache_hit_rate": float(workload.cached_tokens.sum() / workload.input_tokens.sum()),
+    }
+
+
+#: Figures compared between a live replay and the calibrated simulator.
+COMPARED = (
+    ("TTFT p50 (s)", ("ttft_s", "p50")),
+    ("TTFT p95 (s)", ("ttft_s", "p95")),
+    ("TPOT p50 (s)", ("tpot_s", "p50")),
+    ("TPOT p95 (s)", ("tpot_s", "p95")),
+    ("output tokens/s", ("throughput", "output_tokens_per_s")),
+)
+
+
+def compare(live: dict, predicted: dict) -> list[dict]:
+    """Rows ``{figure, live, predicted, error}`` (error = predicted / live - 1)."""
+    rows = []
+    for label, (group, key) in COMPARED:
+        a, b = live[group][key], predicted[group][key]
+        error = b / a - 1.0 if a and b is not None else None
+        rows.append({"figure": label, "live": a, "predicted": b, "error": error})
+    return rows

@@ -1,0 +1,424 @@
+"""Calibrations: the performance model's terms fitted to measured step times, kept as data.
+
+The first-principles model (:mod:`moeinfra.serving.perfmodel`) stays as it is; a calibration is a
+separate, named input — a JSON file holding the hardware and model it was measured on, the measured
+steps it was fitted on, the steps held out to validate it, the fitted factors and both residuals.
+Factors (:data:`FACTORS`): multipliers on the modelled GEMM, core-attention and all-to-all times,
+the fixed seconds of one all-to-all call and of one step (host scheduling, launches, sampling).
+
+Fit: least squares on ``log(predicted / measured)`` (a 10% miss weighs the same on a 1 ms and a
+1 s step), multipliers in log space, every factor bounded, one residual per binned measurement
+weighted by the steps in its bin (``scipy.optimize.least_squares``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.errors import InputError
+from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, H800_FP8_TFLOPS, Efficiency, PerfModel
+from moeinfra.serving.specs import Deployment, HardwareSpec, ModelSpec
+
+FORMAT_VERSION = 1
+MULTIPLIERS = ("gemm_time", "attention_time", "comm_time")
+FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s")
+#: Measured directly rather than fitted: a live server's time outside its units per request.
+MEASURED = ("request_overhead_s",)
+BOUNDS = {
+    "gemm_time": (1e-3, 1e5),
+    "attention_time": (1e-3, 1e5),
+    "comm_time": (1e-3, 1e5),
+    "comm_launch_s": (0.0, 1.0),
+    "step_overhead_s": (0.0, 10.0),
+}
+#: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
+#: count (a CPU host: no tensor-core tile effects).
+GEMM_TABLES = ("deepgemm-h800", "flat")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step time (or the median of a bin of similar steps).
+
+    ``phase``: ``prefill`` or ``decode``; ``nodes``/``redundant_experts``/``micro_batches``: the
+    unit it ran on (GPUs = nodes x the hardware's GPUs per node). Prefill: ``tokens`` computed on
+    the busiest GPU, ``keys`` attended per token, ``sampled`` prompts finishing (rows through the LM
+    head). Decode: ``tokens`` requests on the busiest GPU, ``keys`` their mean KV length.
+    ``steps``: how many steps the point stands for (its weight in the fit).
+    """
+
+    phase: str
+    tokens: float
+    keys: float
+    sampled: float
+    seconds: float
+    nodes: int = 1
+    redundant_experts: int = 0
+    micro_batches: int = 2
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.phase not in ("prefill", "decode"):
+            raise InputError(f"StepPoint.phase={self.phase!r} must be 'prefill' or 'decode'")
+        for name in ("tokens", "seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InputError(f"StepPoint.{name}={value!r} must be a finite number > 0")
+        for name in ("keys", "sampled"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError(f"StepPoint.{name}={value!r} must be a finite number >= 0")
+
+    def deployment(self) -> Deployment:
+        return Deployment(
+            self.phase,
+            self.nodes,
+            redundant_experts=self.redundant_experts,
+            micro_batches=self.micro_batches,
+        )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted calibration (see the module docstring); ``units``: the unit shapes it was measured
+    on by phase (``serve simulate`` defaults to them); ``kv_tokens_per_gpu``: the engine's KV
+    capacity (None: from HBM)."""
+
+    name: str
+    source: str
+    hardware: HardwareSpec
+    model: ModelSpec
+    factors: dict[str, float]
+    fitted: tuple[str, ...]
+    fit_points: tuple[StepPoint, ...]
+    validation_points: tuple[StepPoint, ...] = ()
+    gemm_table: str = "deepgemm-h800"
+    units: dict[str, Deployment] = field(default_factory=dict)
+    kv_tokens_per_gpu: float | None = None
+    created: str = ""
+    version: int = FORMAT_VERSION
+
+    def efficiency(self) -> Efficiency:
+        return efficiency_with(self.factors, self.gemm_table)
+
+    def perf_model(self, dep: Deployment) -> PerfModel:
+        """The performance model of ``dep`` on this calibration's hardware and model."""
+        return PerfModel(
+            dep,
+            self.hardware,
+            self.model,
+            self.efficiency(),
+            kv_tokens_per_gpu=self.kv_tokens_per_gpu,
+        )
+
+    def predict(self, points) -> np.ndarray:
+        return predict_seconds(
+            points, self.hardware, self.model, self.efficiency(), self.kv_tokens_per_gpu
+        )
+
+    def errors(self) -> dict[str, dict[str, float]]:
+        """Relative errors (predicted / measured - 1) on the fit and the held-out points."""
+        return {
+            "fit": relative_errors(self.fit_points, self.predict(self.fit_points)),
+            "validation": relative_errors(
+                self.validation_points, self.predict(self.validation_points)
+            ),
+        }
+
+    def summary(self) -> dict:
+        """What every JSON output names: the calibration, its factors and its errors."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "hardware": self.hardware.name,
+            "model": self.model.name,
+            "factors": dict(self.factors),
+            "errors": self.errors(),
+        }
+
+    def to_dict(self) -> dict:
+        fit, held = self.predict(self.fit_points), self.predict(self.validation_points)
+        return {
+            "format": "moeinfra-calibration",
+            "version": self.version,
+            "name": self.name,
+            "source": self.source,
+            "created": self.created,
+            "method": "least squares on log(predicted/measured), multipliers in log space, "
+            "bounded; residuals weighted by steps per point",
+            "hardware": asdict(self.hardware),
+            "model": asdict(self.model),
+            "gemm_table": self.gemm_table,
+            "kv_tokens_per_gpu": self.kv_tokens_per_gpu,
+            "units": {phase: asdict(dep) for phase, dep in self.units.items()},
+            "factors": dict(self.factors),
+            "fitted": list(self.fitted),
+            "errors": self.errors(),
+            "fit_points": [
+                asdict(p) | {"predicted": float(s)}
+                for p, s in zip(self.fit_points, fit, strict=True)
+            ],
+            "validation_points": [
+                asdict(p) | {"predicted": float(s)}
+                for p, s in zip(self.validation_points, held, strict=True)
+            ],
+        }
+
+    def save(self, path: Path) -> None:
+        from moeinfra.atomicio import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "calibration") -> Calibration:
+        try:
+            if data.get("format") != "moeinfra-calibration":
+                raise InputError(
+                    f"{where}: not a moeinfra calibration (format={data.get('format')!r})"
+                )
+            if data.get("version") != FORMAT_VERSION:
+                raise InputError(
+                    f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
+                )
+            point_keys = StepPoint.__dataclass_fields__
+            factors = {k: float(data["factors"][k]) for k in FACTORS} | {
+                k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]
+            }
+            gemm_table = data.get("gemm_table", "deepgemm-h800")
+            if gemm_table not in GEMM_TABLES:
+                raise InputError(f"{where}: gemm_table={gemm_table!r} is not one of {GEMM_TABLES}")
+            return cls(
+                name=str(data["name"]),
+                source=str(data["source"]),
+                hardware=HardwareSpec(**data["hardware"]),
+                model=ModelSpec(**data["model"]),
+                factors=factors,
+                fitted=tuple(data.get("fitted", ())),
+                fit_points=tuple(
+                    StepPoint(**{k: v for k, v in p.items() if k in point_keys})
+                    for p in data["fit_points"]
+                ),
+                validation_points=tuple(
+                    StepPoint(**{k: v for k, v in p.items() if k in point_keys})
+                    for p in data.get("validation_points", ())
+                ),
+                gemm_table=gemm_table,
+                units={k: Deployment(**v) for k, v in data.get("units", {}).items()},
+                kv_tokens_per_gpu=data.get("kv_tokens_per_gpu"),
+                created=str(data.get("created", "")),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"{where}: malformed calibration ({err!r})") from None
+
+
+def load_calibration(name_or_path: str | Path | None) -> Calibration | None:
+    """``none``/None (the first-principles model) or a calibration file's path."""
+    if name_or_path is None or str(name_or_path) == "none":
+        return None
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise InputError(
+            f"--calibration={str(name_or_path)!r}: no such file; allowed: none or the path of a "
+            "file written by moeinfra serve calibrate"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"--calibration={str(path)!r}: not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--calibration={str(path)!r}: not a moeinfra calibration")
+    return Calibration.from_dict(data, f"--calibration={str(path)!r}")
+
+
+def efficiency_with(factors: dict[str, float], gemm_table: str = "deepgemm-h800") -> Efficiency:
+    """:data:`DEFAULT_EFFICIENCY` with ``factors`` applied (a ``flat`` GEMM table: the plain GEMM
+    efficiency at every row count and role)."""
+    eff = replace(DEFAULT_EFFICIENCY, **factors)
+    if gemm_table == "flat":
+        flat = {1: H800_FP8_TFLOPS * eff.gemm}
+        eff = replace(eff, gemm_tflops={role: dict(flat) for role in eff.gemm_tflops})
+    return eff
+
+
+def predict_seconds(
+    points, hw: HardwareSpec, model: ModelSpec, eff: Efficiency, kv_tokens_per_gpu=None
+) -> np.ndarray:
+    """Modelled seconds of each of ``points``."""
+    out = np.empty(len(points))
+    models: dict[Deployment, PerfModel] = {}
+    for i, p in enumerate(points):
+        dep = p.deployment()
+        perf = models.get(dep)
+        if perf is None:
+            perf = models[dep] = PerfModel(dep, hw, model, eff, kv_tokens_per_gpu=kv_tokens_per_gpu)
+        if p.phase == "prefill":
+            out[i] = perf.prefill_breakdown(
+                tokens_per_gpu=p.tokens,
+                attn_keys_per_token=p.keys,
+                prompt_len=p.tokens / max(p.sampled, 1e-9),
+            ).step_s
+        else:
+            out[i] = float(perf.decode_step_s(p.tokens, p.keys))
+    return out
+
+
+def relative_errors(points, predicted: np.ndarray) -> dict[str, float]:
+    """Median, mean absolute and worst relative error, weighted by steps (empty: no points)."""
+    if not len(points):
+        return {}
+    measured = np.array([p.seconds for p in points])
+    weight = np.array([p.steps for p in points], dtype=np.float64)
+    err = predicted / measured - 1.0
+    order = np.argsort(np.abs(err))
+    cumulative = np.cumsum(weight[order]) / weight.sum()
+    return {
+        "points": len(points),
+        "steps": int(weight.sum()),
+        "median_abs": float(np.abs(err)[order][np.searchsorted(cumulative, 0.5)]),
+        "mean_abs": float((np.abs(err) * weight).sum() / weight.sum()),
+        "max_abs": float(np.abs(err).max()),
+        "bias": float(np.exp((np.log1p(err) * weight).sum() / weight.sum()) - 1.0),
+    }
+
+
+def fit_calibration(
+    name: str,
+    source: str,
+    points,
+    hw: HardwareSpec,
+    model: ModelSpec,
+    *,
+    free: tuple[str, ...] = FACTORS,
+    hold_out_every: int = 3,
+    gemm_table: str = "deepgemm-h800",
+    units: dict[str, Deployment] | None = None,
+    kv_tokens_per_gpu: float | None = None,
+) -> Calibration:
+    """Fit ``free`` factors to ``points`` (every ``hold_out_every``-th point, ordered by phase and
+    size, is held out for validation; 0 holds none out); the others keep their defaults."""
+    from scipy.optimize import least_squares
+
+    unknown = [f for f in free if f not in FACTORS]
+    if unknown or not free:
+        raise InputError(f"free={free!r} must be a non-empty subset of {FACTORS}")
+    ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys))
+    held = ordered[hold_out_every - 1 :: hold_out_every] if hold_out_every else []
+    fit = [p for p in ordered if p not in held] if held else ordered
+    if len(fit) < len(free):
+        raise InputError(
+            f"{len(fit)} measured points to fit {len(free)} factors: measure more step sizes"
+        )
+    measured = np.log(np.array([p.seconds for p in fit]))
+    weight = np.sqrt(np.array([p.steps for p in fit], dtype=np.float64))
+    base = {k: getattr(DEFAULT_EFFICIENCY, k) for k in FACTORS}
+    logged = [f in MULTIPLIERS for f in free]
+
+    def factors_of(x) -> dict[str, float]:
+        values = dict(base)
+        for f, v, log in zip(free, x, logged, strict=True):
+            values[f] = float(np.exp(v)) if log else float(v)
+        return values
+
+    def residuals(x):
+        eff = efficiency_with(factors_of(x), gemm_table)
+        predicted = predict_seconds(fit, hw, model, eff, kv_tokens_per_gpu)
+        return weight * (np.log(np.maximum(predicted, 1e-300)) - measured)
+
+    lo = [
+        math.log(BOUNDS[f][0]) if log else BOUNDS[f][0] for f, log in zip(free, logged, strict=True)
+    ]
+    hi = [
+        math.log(BOUNDS[f][1]) if log else BOUNDS[f][1] for f, log in zip(free, logged, strict=True)
+    ]
+    x0 = [
+        0.0 if log else min(max(base[f], lo_), hi_)
+        for f, log, lo_, hi_ in zip(free, logged, lo, hi, strict=True)
+    ]
+    result = least_squares(residuals, x0, bounds=(lo, hi), x_scale="jac")
+    return Calibration(
+        name=name,
+        source=source,
+        hardware=hw,
+        model=model,
+        factors=factors_of(result.x),
+        fitted=tuple(free),
+        fit_points=tuple(fit),
+        validation_points=tuple(held),
+        gemm_table=gemm_table,
+        units=dict(units or {}),
+        kv_tokens_per_gpu=kv_tokens_per_gpu,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+def model_spec(config: dict, name: str = "model") -> ModelSpec:
+    """The :class:`ModelSpec` of a DeepSeek-V3-style ``config.json`` (Hugging Face keys)."""
+    try:
+        hidden = int(config["hidden_size"])
+        return ModelSpec(
+            name=name,
+            num_layers=int(config["num_hidden_layers"]),
+            num_dense_layers=min(
+                int(config.get("first_k_dense_replace", 0)), int(config["num_hidden_layers"])
+            ),
+            hidden=hidden,
+            num_heads=int(config["num_attention_heads"]),
+            q_lora_rank=int(config.get("q_lora_rank") or hidden),
+            kv_lora_rank=int(config["kv_lora_rank"]),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            v_head_dim=int(config["v_head_dim"]),
+            num_routed_experts=int(config["n_routed_experts"]),
+            num_expert_groups=int(config.get("n_group") or 1),
+            experts_per_token=int(config["num_experts_per_tok"]),
+            groups_per_token=int(config.get("topk_group") or 1),
+            num_shared_experts=int(config.get("n_shared_experts") or 0),
+            moe_intermediate=int(config["moe_intermediate_size"]),
+            dense_intermediate=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise InputError(f"config.json of {name}: missing or bad key ({err!r})") from None
+
+
+def fit_measurements(path: Path, name: str | None = None) -> Calibration:
+    """Fit a calibration to a measurements file: JSON with ``source`` (where the figures come
+    from), ``hardware`` (a preset name), optional ``model`` (a ``config.json``-style dict;
+    default DeepSeek-V3), ``points`` (:class:`StepPoint` fields) and optional ``free`` factors and
+    ``hold_out_every``."""
+    from moeinfra.serving.specs import DEEPSEEK_V3, hardware
+
+    where = f"--measurements={str(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{where}: not readable JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+        raise InputError(f"{where}: must be an object with a 'points' list")
+    keys = StepPoint.__dataclass_fields__
+    points = []
+    for i, p in enumerate(data["points"]):
+        if not isinstance(p, dict) or not {"phase", "tokens", "keys", "seconds"} <= set(p):
+            raise InputError(f"{where}: points[{i}] needs phase, tokens, keys and seconds")
+        try:
+            points.append(
+                StepPoint(**({"sampled": 0.0} | {k: v for k, v in p.items() if k in keys}))
+            )
+        except (InputError, TypeError) as err:
+            raise InputError(f"{where}: points[{i}]: {err}") from None
+    model = data.get("model")
+    return fit_calibration(
+        name or str(data.get("name") or Path(path).stem),
+        str(data.get("source") or where),
+        points,
+        hardware(str(data.get("hardware", "h800"))),
+        DEEPSEEK_V3 if model is None else model_spec(model, str(model.get("name", "model"))),
+        free=tuple(data.get("free", FACTORS)),
+        hold_out_every=int(data.get("hold_out_every", 3)),
+    )

@@ -1,0 +1,137 @@
+"""Calibrations: fitting the performance model's factors to measured steps, and their file format."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moeinfra.errors import InputError
+from moeinfra.serving.calibration import (
+    Calibration,
+    StepPoint,
+    efficiency_with,
+    fit_calibration,
+    fit_measurements,
+    load_calibration,
+    model_spec,
+    predict_seconds,
+)
+from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
+from moeinfra.serving.specs import DEEPSEEK_V3, HARDWARE
+
+H800 = HARDWARE["h800"]
+TRUE = {
+    "gemm_time": 1.4,
+    "attention_time": 1.2,
+    "comm_time": 1.6,
+    "comm_launch_s": 40e-6,
+    "step_overhead_s": 6e-3,
+}
+
+
+def measured_points(noise: float = 0.02, seed: int = 0) -> list[StepPoint]:
+    """Steps of DeepSeek's units "measured" on a system whose true factors are TRUE."""
+    rng = np.random.default_rng(seed)
+    points = []
+    for tokens in (1024, 2048, 4096, 8192, 16384):
+        for keys in (512, 2048):
+            points.append(
+                StepPoint(
+                    "prefill", tokens, keys, tokens / 4096, 1.0, nodes=4, redundant_experts=32
+                )
+            )
+    for batch in (8, 16, 32, 64, 128):
+        for kv in (1024, 4096):
+            points.append(
+                StepPoint("decode", batch, kv, batch, 1.0, nodes=18, redundant_experts=32)
+            )
+    truth = predict_seconds(points, H800, DEEPSEEK_V3, efficiency_with(TRUE))
+    seconds = truth * np.exp(rng.normal(0, noise, truth.size))
+    return [
+        StepPoint(p.phase, p.tokens, p.keys, p.sampled, float(s), p.nodes, p.redundant_experts)
+        for p, s in zip(points, seconds, strict=True)
+    ]
+
+
+def test_fit_recovers_the_factors_of_the_system_that_was_measured():
+    cal = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    for name in ("gemm_time", "attention_time", "comm_time", "step_overhead_s"):
+        assert cal.factors[name] == pytest.approx(TRUE[name], rel=0.25), name
+    errors = cal.errors()
+    assert errors["fit"]["points"] + errors["validation"]["points"] == 20
+    assert errors["validation"]["points"] == 6  # every third point held out
+    assert errors["fit"]["max_abs"] < 0.08 and errors["validation"]["max_abs"] < 0.08
+
+
+def test_uncalibrated_model_misses_those_measurements():
+    points = measured_points(noise=0.0)
+    model = predict_seconds(points, H800, DEEPSEEK_V3, DEFAULT_EFFICIENCY)
+    assert np.median(np.abs(model / [p.seconds for p in points] - 1)) > 0.2
+
+
+def test_fixed_factors_stay_at_their_defaults():
+    cal = fit_calibration(
+        "t", "synthetic", measured_points(), H800, DEEPSEEK_V3, free=("gemm_time",)
+    )
+    assert cal.factors["attention_time"] == 1.0
+    assert cal.factors["step_overhead_s"] == DEFAULT_EFFICIENCY.step_overhead_s
+    assert cal.fitted == ("gemm_time",)
+
+
+def test_file_round_trip_keeps_predictions(tmp_path):
+    cal = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    back = load_calibration(str(path))
+    assert isinstance(back, Calibration) and back.factors == cal.factors
+    np.testing.assert_allclose(back.predict(back.fit_points), cal.predict(cal.fit_points))
+    data = json.loads(path.read_text())
+    assert data["source"] == "synthetic" and "predicted" in data["fit_points"][0]
+
+
+def test_measurements_file(tmp_path):
+    path = tmp_path / "m.json"
+    from dataclasses import asdict
+
+    path.write_text(
+        json.dumps(
+            {
+                "source": "synthetic H800 steps",
+                "hardware": "h800",
+                "points": [asdict(p) for p in measured_points()],
+                "free": ["gemm_time", "step_overhead_s"],
+            }
+        )
+    )
+    cal = fit_measurements(path)
+    assert cal.name == "m" and cal.source == "synthetic H800 steps"
+    assert cal.fitted == ("gemm_time", "step_overhead_s")
+
+
+def test_bad_input_is_named():
+    with pytest.raises(InputError, match="measure more"):
+        fit_calibration("t", "s", measured_points()[:3], H800, DEEPSEEK_V3)
+    with pytest.raises(InputError, match="free="):
+        fit_calibration("t", "s", measured_points(), H800, DEEPSEEK_V3, free=("speed",))
+    with pytest.raises(InputError, match="StepPoint.seconds"):
+        StepPoint("decode", 8, 100, 8, float("nan"))
+    with pytest.raises(InputError, match="no such file"):
+        load_calibration("missing.json")
+    assert load_calibration("none") is None
+    with pytest.raises(InputError, match="config.json of m"):
+        model_spec({"hidden_size": 8}, "m")
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(InputError, match="not readable JSON"):
+        load_calibration(str(bad))
+    bad.write_text(json.dumps({"format": "moeinfra-calibration", "version": 1}))
+    with pytest.raises(InputError, match="malformed calibration"):
+        load_calibration(str(bad))
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(InputError, match="not a moeinfra calibration"):
+        load_calibration(str(bad))
