@@ -3,13 +3,15 @@ no-op model, and the KV bytes a hand-off moves per token.
 
 1. Overhead at the same batch: ``B`` requests (64-token prompts, 64 greedy output tokens, EOS
    ignored) on the engine alone (``LLM``, one rank, in-process: median pure-decode step at batch
-   ``B``) and through the server (``serve up``, one prefill and one decode unit of one rank each,
+   ``B``, one thread as a unit rank) and through the server (``serve up``, one prefill and one decode unit of one rank each,
    the same engine options; all ``B`` requests sent at once as streams: median time per output
-   token). Overhead = server TPOT / engine step - 1: API server, router, ZeroMQ, the rank's loop
+   token); each the median of three repetitions. Overhead = server TPOT / engine step - 1: API server, router, ZeroMQ, the rank's loop
    and the streamed events.
-2. Ceiling: the same server with ``--noop-model`` (the forward and LM head return zeros; sampling,
-   detokenisation, hand-off and streaming still run), 64 concurrent streams of 256 tokens: streamed
-   tokens/s at the client, and per core of this machine.
+2. Ceiling: the default units (1 prefill + 1 decode of 2 ranks) with ``--noop-model`` (the forward
+   and LM head return zeros; sampling, detokenisation, hand-off and streaming still run), 64
+   concurrent streams of 256 tokens, three times: median streamed tokens/s at the client, and per
+   core of this machine; with the default checkpoint's 129,280-entry vocabulary (greedy sampling
+   is an argmax over it) and with the 512-entry test tokenizer (the stack without that).
 3. KV hand-off bytes per prompt token (``moeinfra:kv_transfer_sent_bytes`` over the prompt tokens
    handed off) against the MLA formula layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
 
@@ -23,37 +25,48 @@ import asyncio
 import json
 import os
 import statistics
+import tempfile
+from pathlib import Path
 
 import httpx
+import torch
 
-from moeinfra.engine import LLM, SamplingParams, default_model
+from moeinfra.engine import LLM, SamplingParams, default_model, init_tiny
 from moeinfra.server import bench as b
 from moeinfra.server.process import ServerProcess
 
 ENGINE = {"block_size": 16, "num_kv_blocks": 1024, "max_num_seqs": 64}
 FLAGS = ["--block-size", "16", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]
 ONE_RANK = ["--prefill-ranks", "1", "--decode-ranks", "1"]
+REPS = 3
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [b.token_block(seed * 10_000 + i, length, 1000) for i in range(n)]
 
 
-def engine_step_s(batch: int) -> float:
+def engine_step_s(batch: int, reps: int) -> float:
+    torch.set_num_threads(1)  # as each unit rank runs
     llm = LLM(default_model(), ranks=1, enable_prefix_caching=False, **ENGINE)
     core = llm._core
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate(prompts(batch, 64, 1), params, use_tqdm=False)  # warm-up
-    core.stats.clear()
-    llm.generate(prompts(batch, 64, 2), params, use_tqdm=False)
-    steps = [s.total_s for s in core.stats if s.decode_tokens == batch and not s.prefill_tokens]
-    return statistics.median(steps)
+    medians = []
+    for rep in range(reps):
+        core.stats.clear()
+        llm.generate(prompts(batch, 64, 2 + rep), params, use_tqdm=False)
+        steps = [s.total_s for s in core.stats if s.decode_tokens == batch and not s.prefill_tokens]
+        medians.append(statistics.median(steps))
+    return statistics.median(medians)
 
 
-def server_tpot_s(server: ServerProcess, batch: int, seed: int) -> float:
-    requests = [b.BenchRequest(0.0, p, 64) for p in prompts(batch, 64, seed)]
-    results, _ = asyncio.run(b.replay(server.url, requests))
-    return statistics.median(r.tpot_s for r in results if r.tpot_s is not None)
+def server_tpot_s(server: ServerProcess, batch: int, seed: int, reps: int) -> float:
+    medians = []
+    for rep in range(reps):
+        requests = [b.BenchRequest(0.0, p, 64) for p in prompts(batch, 64, seed + 100 * rep)]
+        results, _ = asyncio.run(b.replay(server.url, requests))
+        medians.append(statistics.median(r.tpot_s for r in results if r.tpot_s is not None))
+    return statistics.median(medians)
 
 
 def metric(url: str, name: str) -> float:
@@ -70,13 +83,13 @@ def main() -> None:
     opts = parser.parse_args()
     batches = [int(x) for x in opts.batches.split(",")]
 
-    print("| requests in the batch | engine step (ms) | server TPOT p50 (ms) | overhead |")
+    print("| requests in the batch | engine step (ms) | server TPOT (ms) | overhead |")
     print("|---:|---:|---:|---:|")
-    engine = {batch: engine_step_s(batch) for batch in batches}
+    engine = {batch: engine_step_s(batch, REPS) for batch in batches}
     with ServerProcess([*ONE_RANK, *FLAGS]) as server:
-        server_tpot_s(server, 2, 99)  # warm-up
+        server_tpot_s(server, 2, 99, 1)  # warm-up
         for batch in batches:
-            tpot = server_tpot_s(server, batch, 3 + batch)
+            tpot = server_tpot_s(server, batch, 3 + batch, REPS)
             print(
                 f"| {batch} | {engine[batch] * 1e3:.2f} | {tpot * 1e3:.2f} | "
                 f"{tpot / engine[batch] - 1:+.0%} |"
@@ -93,19 +106,27 @@ def main() -> None:
         "DeepSeek-V3 in BF16: 61 x 576 x 2 B = 70,272"
     )
 
-    with ServerProcess([*FLAGS, "--noop-model"]) as server:
-        warm = [b.BenchRequest(0.0, p, 16) for p in prompts(8, 64, 7)]
-        asyncio.run(b.replay(server.url, warm))
-        requests = [b.BenchRequest(0.0, p, 256) for p in prompts(64, 64, 8)]
-        results, wall = asyncio.run(b.replay(server.url, requests))
-        summary = b.summarize(results, wall)
-    rate = summary["throughput"]["output_tokens_per_s"]
     cores = os.cpu_count() or 1
-    print(
-        f"\nno-op model, 64 streams x 256 tokens (default units: 1 prefill + 1 decode of 2 ranks): "
-        f"{rate:,.0f} streamed tokens/s = {rate / cores:,.0f} per core ({cores} cores), "
-        f"{summary['errors']} errors"
-    )
+    print("\n| model (vocabulary) | streamed tokens/s (median of 3) | per core | errors |")
+    print("|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        small = init_tiny(Path(tmp) / "tiny-bpe", tokenizer="bpe")
+        for label, model in (
+            ("tiny, DeepSeek-V3 tokenizer (129,280)", default_model()),
+            ("tiny, test tokenizer (512)", small),
+        ):
+            rates, errors = [], 0
+            with ServerProcess(["--model", str(model), *FLAGS, "--noop-model"]) as server:
+                warm = [b.BenchRequest(0.0, p, 16) for p in prompts(8, 64, 7)]
+                asyncio.run(b.replay(server.url, warm))
+                for rep in range(3):
+                    requests = [b.BenchRequest(0.0, p, 256) for p in prompts(64, 64, 20 + rep)]
+                    results, wall = asyncio.run(b.replay(server.url, requests))
+                    summary = b.summarize(results, wall)
+                    rates.append(summary["throughput"]["output_tokens_per_s"])
+                    errors += summary["errors"]
+            rate = statistics.median(rates)
+            print(f"| {label} | {rate:,.0f} | {rate / cores:,.0f} | {errors} |")
 
 
 if __name__ == "__main__":

