@@ -11,6 +11,7 @@ import pytest
 
 from moeinfra.engine.tiny import init_tiny
 from moeinfra.server.process import ServerProcess as _ServerProcess
+from moeinfra.server.router import RankState, Router
 
 
 class ServerProcess(_ServerProcess):
@@ -75,3 +76,17 @@ def server(tiny_bpe, tmp_path_factory):
     srv.cache_dir = cache
     yield srv
     assert srv.stop() == 0, "".join(srv.log)
+
+
+def fake_router(units: dict[str, tuple[str, float]]) -> Router:
+    """A router (not started) with ready units ``{id: (role, work done so far)}``, 4 slots each."""
+    router = Router("tcp://127.0.0.1:0", "digest")
+    for unit_id, (role, work) in units.items():
+        unit = router.expect_unit(unit_id, role, 1)
+        rank = RankState(unit, 0, unit_id.encode(), None, 4)
+        if role == "decode":
+            rank.occupancy_s = work * 4  # running requests x seconds over 4 slots
+        else:
+            rank.busy_s = work
+        unit.ranks.append(rank)
+    return router

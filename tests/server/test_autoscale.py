@@ -10,24 +10,9 @@ import pytest
 from moeinfra.errors import InputError
 from moeinfra.server.autoscale import AutoscalePolicy, Autoscaler
 from moeinfra.server.bench import BenchRequest, replay, token_block
-from moeinfra.server.router import RankState, Router
 from moeinfra.serving.schedule import units_for_work
 
-from .conftest import ServerProcess, wait_until
-
-
-def fake_router(units: dict[str, tuple[str, float]]) -> Router:
-    """A router (not started) with ready units ``{id: (role, work done so far)}``, 4 slots each."""
-    router = Router("tcp://127.0.0.1:0", "digest")
-    for unit_id, (role, work) in units.items():
-        unit = router.expect_unit(unit_id, role, 1)
-        rank = RankState(unit, 0, unit_id.encode(), None, 4)
-        if role == "decode":
-            rank.occupancy_s = work * 4  # running requests x seconds over 4 slots
-        else:
-            rank.busy_s = work
-        unit.ranks.append(rank)
-    return router
+from .conftest import ServerProcess, fake_router, wait_until
 
 
 def test_decisions_follow_the_simulators_rule():

@@ -9,7 +9,7 @@ import signal
 import socket
 
 import httpx
-from tests.server.conftest import ServerProcess, metric, wait_until
+from tests.server.conftest import ServerProcess, fake_router, metric, wait_until
 
 from moeinfra.engine import LLM, SamplingParams
 
@@ -114,3 +114,32 @@ def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(t
         wait_until(lambda: metric(srv.url, "moeinfra:kv_blocks_used", 'role="decode"') == 0)
     finally:
         assert srv.stop() == 0, "".join(srv.log)
+
+
+def test_a_unit_saying_goodbye_on_its_own_loses_its_requests():
+    """A failing rank says "bye" and exits: its requests must end (error or retry), not hang."""
+    import asyncio as aio
+
+    from moeinfra.server.router import Tracked
+
+    async def scenario():
+        router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0)})
+        prefill, decode = router.units["p0"].ranks[0], router.units["d0"].ranks[0]
+        tracked = Tracked("r1", [1, 2, 3], SamplingParams(), 0)
+        tracked.prefill, tracked.decode = prefill, decode
+        router.requests["r1"] = tracked
+        router._on_message(b"p0/0", ("bye", 0))
+        assert not router.units["p0"].alive
+        first = await aio.wait_for(tracked.events.get(), 1.0)
+        return first, await aio.wait_for(tracked.events.get(), 1.0)
+
+    restart, error = aio.run(scenario())
+    # untouched by the client: retried, and with no other prefill unit it ends with an error
+    assert restart[0] == "restart" and error[0] == "error" and "p0" in error[2]
+
+
+def test_a_drained_unit_saying_goodbye_is_not_a_loss():
+    router = fake_router({"p0": ("prefill", 0.0)})
+    router.drain("p0")
+    router._on_message(b"p0/0", ("bye", 0))
+    assert not router.units["p0"].alive and not any("stopped" in n for n in router.notes)
