@@ -100,8 +100,11 @@ def serve_loop(
     """
     shutdown = rebalance = False
     wait = IDLE_WAIT_S[0]
+    unit_busy = False  # some rank had work at the last agreement
     while True:
-        idle = not core.has_work
+        # wait for messages only when the whole unit is idle: a rank without work of its own that
+        # waited here would hold its busy peers in the next collective for the whole wait
+        idle = not (core.has_work or unit_busy)
         wait = min(2 * wait, IDLE_WAIT_S[1]) if idle else IDLE_WAIT_S[0]
         for message in receive(wait if idle else None):
             wait = IDLE_WAIT_S[0]
@@ -119,6 +122,7 @@ def serve_loop(
             elif handle is not None:
                 handle(message)
         work, prefill, stop, balance = agree(core, shutdown, rebalance)
+        unit_busy = work
         if stop:
             return
         if balance:
