@@ -421,15 +421,12 @@ def create_app(
         )
         choices = _start(prompts, body, max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
         def chunk(c: _Choice, text: str | None):
             if text is None:
                 return None
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
+            return head | {
                 "choices": [
                     {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
                 ],
@@ -441,21 +438,10 @@ def create_app(
             return out
 
         def usage():
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [],
-                "usage": _usage(prompts, choices, body.n),
-            }
+            return head | {"choices": [], "usage": _usage(prompts, choices, body.n)}
 
         def whole():
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
+            return head | {
                 "choices": [
                     {
                         "index": c.index,
@@ -482,26 +468,19 @@ def create_app(
         choices = _start(prompts, body, max_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def base():
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-            }
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+        streamed = head | {"object": "chat.completion.chunk"}
 
         def chunk(c: _Choice, text: str | None):
             delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
-            return {
-                **base(),
+            return streamed | {
                 "choices": [
                     {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
                 ],
             }
 
         def final(c: _Choice):
-            return {
-                **base(),
+            return streamed | {
                 "choices": [
                     {
                         "index": c.index,
@@ -513,14 +492,10 @@ def create_app(
             }
 
         def usage():
-            return {**base(), "choices": [], "usage": _usage(prompts, choices, body.n)}
+            return streamed | {"choices": [], "usage": _usage(prompts, choices, body.n)}
 
         def whole():
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model_name,
+            return head | {
                 "choices": [
                     {
                         "index": c.index,

@@ -94,13 +94,11 @@ class Autoscaler:
                     self.router.drain(unit.unit_id)
             else:
                 continue
-            if want != len(active):
-                decision = {"role": role, "work_s": work, "units": len(active), "to": want}
-                out.append(decision)
-                self.router.notes.append(
-                    f"autoscale: {role} {len(active)} -> {want} units "
-                    f"({work:.2f} unit-s of work in {span_s:.1f} s, target {self.policy.target})"
-                )
+            out.append({"role": role, "work_s": work, "units": len(active), "to": want})
+            self.router.notes.append(
+                f"autoscale: {role} {len(active)} -> {want} units "
+                f"({work:.2f} unit-s of work in {span_s:.1f} s, target {self.policy.target})"
+            )
         self.decisions += out
         return out
 

@@ -154,7 +154,9 @@ def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int = 0) -
         r.arrival_s = float(t)
 
 
-async def _one(client, url: str, model: str, req: BenchRequest, start: float) -> BenchResult:
+async def stream_request(
+    client, url: str, model: str, req: BenchRequest, start: float
+) -> BenchResult:
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
     result = BenchResult(req.arrival_s, len(req.prompt_ids))
     body = {
@@ -214,7 +216,9 @@ async def replay(
                 f"--url={url!r}: no OpenAI-compatible server answers ({err})"
             ) from None
         start = time.perf_counter()
-        tasks = [asyncio.create_task(_one(client, url, model, r, start)) for r in requests]
+        tasks = [
+            asyncio.create_task(stream_request(client, url, model, r, start)) for r in requests
+        ]
         if progress is not None:
             for task in tasks:
                 task.add_done_callback(lambda _: progress())
@@ -222,7 +226,7 @@ async def replay(
         return list(results), time.perf_counter() - start
 
 
-def _pct(values, qs=(50, 90, 95, 99)) -> dict[str, float | None]:
+def percentiles(values, qs=(50, 90, 95, 99)) -> dict[str, float | None]:
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
     return {f"p{q}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
 
@@ -238,9 +242,9 @@ def summarize(results: list[BenchResult], wall_s: float) -> dict:
         "errors": len(results) - len(ok),
         "error_examples": sorted({r.error for r in results if r.error})[:5],
         "wall_s": wall_s,
-        "ttft_s": _pct(r.ttft_s for r in ok),
-        "tpot_s": _pct(r.tpot_s for r in ok),
-        "itl_s": _pct(x for r in ok for x in r.itl_s),
+        "ttft_s": percentiles(r.ttft_s for r in ok),
+        "tpot_s": percentiles(r.tpot_s for r in ok),
+        "itl_s": percentiles(x for r in ok for x in r.itl_s),
         "throughput": {
             "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
             "input_tokens_per_s": prompt / wall_s if wall_s > 0 else 0.0,

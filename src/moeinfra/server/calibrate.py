@@ -175,10 +175,10 @@ def calibrate_live(
     config = info["config"]
     decode = [u for u in units if u["role"] != "prefill"]
     prefill = [u for u in units if u["role"] != "decode"]
-    engine = decode[0]["engine"]
+    engine, prefill_engine = decode[0]["engine"], prefill[0]["engine"]
     slots = sum(u["engine"]["max_num_seqs"] * u["ranks"] for u in decode)
     max_prompt = min(
-        int(prefill[0]["engine"]["max_num_batched_tokens"]),
+        int(prefill_engine["max_num_batched_tokens"]),
         int(engine["num_kv_blocks"]) * int(engine["block_size"]) // 4,
         1024,
     )
@@ -211,9 +211,9 @@ def calibrate_live(
             "prefill": Deployment(
                 "prefill",
                 1,
-                redundant_experts=int(prefill[0]["engine"].get("redundant_experts") or 0),
+                redundant_experts=int(prefill_engine.get("redundant_experts") or 0),
                 micro_batches=mb,
-                tokens_per_gpu=int(prefill[0]["engine"]["max_num_batched_tokens"]),
+                tokens_per_gpu=int(prefill_engine["max_num_batched_tokens"]),
             ),
             "decode": Deployment("decode", 1, redundant_experts=redundant, micro_batches=mb),
         },
@@ -230,14 +230,16 @@ async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[tuple[int, 
     new connection as most requests of a replay are (the first, a warm-up, left out)."""
     import httpx
 
-    from moeinfra.server.bench import _one
+    from moeinfra.server.bench import stream_request
 
     async with httpx.AsyncClient(timeout=60) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
     out = []
     for ids in prompts:
         async with httpx.AsyncClient(timeout=60) as client:
-            r = await _one(client, url, model, BenchRequest(0.0, ids, 1), time.perf_counter())
+            r = await stream_request(
+                client, url, model, BenchRequest(0.0, ids, 1), time.perf_counter()
+            )
         if r.error is not None:
             raise InputError(f"--url={url!r}: a probe request failed: {r.error}")
         out.append((r.prompt_tokens, r.ttft_s))
@@ -269,7 +271,7 @@ def predict_replay(
     """The calibrated simulator's figures for replaying ``trace`` on a fixed fleet, in the shape of
     :func:`moeinfra.server.bench.summarize` (latency percentiles in seconds, throughput over the
     time from the first arrival to the last finish)."""
-    from moeinfra.server.bench import _pct
+    from moeinfra.server.bench import percentiles
     from moeinfra.serving.scenario import build_scenario
     from moeinfra.serving.simulate import COMPLETED, SimConfig
     from moeinfra.serving.workload import read_trace
@@ -285,8 +287,8 @@ def predict_replay(
     return {
         "requests": int(workload.size),
         "completed": int(done.sum()),
-        "ttft_s": _pct(x for x in result.ttft_s[done]),
-        "tpot_s": _pct(x for x in result.tpot_s[done] if np.isfinite(x)),
+        "ttft_s": percentiles(x for x in result.ttft_s[done]),
+        "tpot_s": percentiles(x for x in result.tpot_s[done] if np.isfinite(x)),
         "throughput": {"output_tokens_per_s": outputs / span if span > 0 else 0.0},
         "cache_hit_rate": float(workload.cached_tokens.sum() / workload.input_tokens.sum()),
     }

@@ -309,12 +309,11 @@ class RankServer:
         steps since the last report (the server joins the ranks' rows of a step by its number)."""
         core, timed = self.core, self.step_seconds
         self.step_seconds = []
-        stats = list(core.stats)
         rows = []
         for step, seconds in timed:
-            back = core.steps - step  # core.stats[-1] is the latest step
-            if back < len(stats):
-                s = stats[-1 - back]
+            back = core.steps - step  # core.stats[-1] is the latest step (indexed from the end)
+            if back < len(core.stats):
+                s = core.stats[-1 - back]
                 rows.append(
                     (step, s.prefill_tokens, s.decode_tokens, s.attended_keys, s.sampled, seconds)
                 )

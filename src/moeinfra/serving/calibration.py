@@ -308,8 +308,9 @@ def fit_calibration(
     if unknown or not free:
         raise InputError(f"free={free!r} must be a non-empty subset of {FACTORS}")
     ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys))
-    held = ordered[hold_out_every - 1 :: hold_out_every] if hold_out_every else []
-    fit = [p for p in ordered if p not in held] if held else ordered
+    k = hold_out_every
+    held = ordered[k - 1 :: k] if k else []
+    fit = [p for i, p in enumerate(ordered) if (i + 1) % k] if k else ordered
     if len(fit) < len(free):
         raise InputError(
             f"{len(fit)} measured points to fit {len(free)} factors: measure more step sizes"
