@@ -76,9 +76,19 @@ def test_byte_cap_evicts_least_recently_used_blocks(tmp_path):
     time.sleep(0.02)
     cache.store(list(range(200, 209)), _kv(9))  # 6 blocks > cap of 4
     assert cache.size_bytes <= cap
-    assert cache.lookup(old) is not None  # recently read: kept
+    # 3 of 6 blocks go: new's two, then old's tail (a head outlives its tail)
+    assert cache.lookup(old).kv.shape[1] == BS
     assert cache.lookup(new) is None  # least recently used: gone
-    assert cache.stats.evicted_blocks >= 2
+    assert cache.stats.evicted_blocks == 3
+
+
+def test_eviction_within_one_prompt_takes_the_tail_first(tmp_path):
+    probe = _cache(tmp_path)
+    cache = _cache(tmp_path, capacity=probe.file_bytes * 2)
+    ids, kv = list(range(13)), _kv(13)
+    assert cache.store(ids, kv) == 3  # 3 blocks > cap of 2: evict down to 1.8 blocks
+    hit = cache.lookup(ids)
+    assert hit.start == 0 and torch.equal(hit.kv, kv[:, :BS])
 
 
 def test_blocks_survive_a_restart_and_no_temporary_file_is_left(tmp_path):

@@ -8,8 +8,10 @@ system) reads and writes the same directory; it survives restarts.
 
 A file is ``MAGIC | crc32 | payload``, written to a temporary name and renamed into place, so a
 reader sees a whole block or none; a block whose size or checksum is wrong (a torn copy, a disk
-error) is deleted and counted as a miss. A read refreshes the block's mtime; when the directory
-passes its byte cap, the least recently used blocks go first.
+error) is deleted and counted as a miss. A read or write stamps the prompt's blocks' mtimes, the
+first block newest (a prefix's head is shared by more prompts than its tail, and a tail is
+useless without its head); when the directory passes its byte cap, the least recently used
+blocks go first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +122,7 @@ class DiskKVCache:
             if block is None:
                 break
             blocks.append(block)
+        self._stamp(digests[first : first + len(blocks)])
         self.stats.queried_tokens += len(token_ids)
         if not blocks:
             return None
@@ -138,8 +142,6 @@ class DiskKVCache:
             self.stats.corrupt_blocks += 1
             path.unlink(missing_ok=True)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency for LRU eviction
         array = np.frombuffer(payload, dtype=np.uint8).copy()
         flat = torch.from_numpy(array).view(self.dtype)
         return flat.view(self.layers, self.block_size, self.values)
@@ -148,7 +150,8 @@ class DiskKVCache:
         """Write every full block of the prompt ``token_ids`` (KV ``[layers, >= tokens, values]``)
         that is not on disk yet; returns how many blocks were written."""
         written = 0
-        for i, digest in enumerate(block_hashes(token_ids, self.block_size)):
+        digests = block_hashes(token_ids, self.block_size)
+        for i, digest in enumerate(digests):
             path = self._path(digest)
             if path.exists():
                 continue
@@ -162,10 +165,19 @@ class DiskKVCache:
             os.replace(tmp, path)
             written += 1
             self._approx_bytes += self.file_bytes
+        self._stamp(digests)
         self.stats.written_blocks += written
         if self._approx_bytes > self.capacity_bytes:
             self.evict()
         return written
+
+    def _stamp(self, digests: list[bytes]) -> None:
+        # An explicit nanosecond clock: the kernel's mtime is coarse (a few ms), and ties would
+        # be broken by directory order, which differs from one file system to the next.
+        now = time.time_ns()
+        for i, digest in enumerate(digests):
+            with contextlib.suppress(OSError):
+                os.utime(self._path(digest), ns=(now - i, now - i))
 
     def evict(self) -> int:
         """Delete least recently used blocks until the directory is under 90% of its cap (the
