@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
@@ -33,6 +34,8 @@ def test_steps_endpoint_reports_every_units_steps(server, calibration):
     assert {s["phase"] for s in roles["decode"]["steps"]} == {"decode"}
     for s in roles["decode"]["steps"]:
         assert s["seconds"] > 0 and s["tokens"] >= 1 and s["attended_keys"] >= s["tokens"]
+    ends = [s["ended"] for s in roles["decode"]["steps"]]
+    assert ends == sorted(ends) and abs(ends[-1] - time.time()) < 600
     assert roles["decode"]["engine"]["block_size"] == 16
 
 
@@ -53,6 +56,9 @@ def test_live_calibration_fits_and_validates(calibration):
     assert calibration.model.hidden == 64 and calibration.model.num_layers == 3
     assert calibration.kv_tokens_per_gpu == 256 * 16
     assert 0 <= calibration.factors["request_overhead_s"] < 0.5
+    # the probe's overlapping waves and steady traffic put steps of both units side by side
+    assert any(p.contended > 0.5 for p in calibration.fit_points if p.phase == "decode")
+    assert "decode_contention" in calibration.fitted
     back = load_calibration(str(path))
     assert back.factors == calibration.factors
 
@@ -94,3 +100,27 @@ def test_calibration_drives_serve_model_and_simulate(calibration, tmp_path):
     payload = json.loads(sim.output)
     assert payload["calibration"]["name"] == "test-live"
     assert payload["requests"]["completed"] == 12  # drained: none left running
+
+
+def test_contended_share_is_the_overlap_with_the_union_of_other_steps():
+    from moeinfra.server.calibrate import contended_share
+
+    def step(start, end):
+        return {"ended": end, "seconds": end - start}
+
+    mine = [step(1, 2), step(4, 5), step(8, 10), step(11, 12)]
+    others = [step(0.5, 1.5), step(1.6, 1.8), step(4.25, 4.5), step(4.3, 4.8), step(9, 9.5)]
+    # [1,2]: 0.5 + 0.2; [4,5]: the union [4.25, 4.8]; [8,10]: 0.5 of 2; [11,12]: none
+    np.testing.assert_allclose(contended_share(mine, others), [0.7, 0.55, 0.25, 0.0])
+    assert contended_share(mine, []).tolist() == [0.0] * 4
+
+
+def test_steady_load_is_poisson_at_the_rate_with_fresh_prompts():
+    from moeinfra.server.calibrate import steady_load
+
+    load = steady_load(1000, 512, rate=5.0, seed=0, requests=400)
+    gaps = np.diff([r.arrival_s for r in load])
+    assert load[0].arrival_s == 0 and (gaps >= 0).all()
+    assert np.mean(gaps) == pytest.approx(0.2, rel=0.15)
+    assert all(64 <= len(r.prompt_ids) < 256 and 16 <= r.max_tokens <= 64 for r in load)
+    assert len({tuple(r.prompt_ids[:8]) for r in load}) == len(load)

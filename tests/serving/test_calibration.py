@@ -135,3 +135,59 @@ def test_bad_files(tmp_path):
     bad.write_text(json.dumps({"format": "other"}))
     with pytest.raises(InputError, match="not a moeinfra calibration"):
         load_calibration(str(bad))
+
+
+def test_contention_factors_are_fitted_per_phase_from_contended_steps():
+    """Steps measured while another unit shared the host: each phase's slowdown is recovered;
+    without contended points the factors stay 0 and are not fitted."""
+    truth = TRUE | {"decode_contention": 0.6, "prefill_contention": 0.1}
+    points = []
+    for p in measured_points(noise=0.0):
+        for share in (0.0, 0.5, 1.0):
+            points.append(
+                StepPoint(
+                    p.phase,
+                    p.tokens,
+                    p.keys,
+                    p.sampled,
+                    1.0,
+                    p.nodes,
+                    p.redundant_experts,
+                    contended=share,
+                )
+            )
+    seconds = predict_seconds(points, H800, DEEPSEEK_V3, efficiency_with(truth))
+    # by hand: a fully / half contended decode step takes 1.6x / 1.3x its uncontended twin
+    assert seconds[-1] / seconds[-3] == pytest.approx(1.6)
+    assert seconds[-2] / seconds[-3] == pytest.approx(1.3)
+    assert seconds[2] / seconds[0] == pytest.approx(1.1)  # the first point is a prefill step
+    measured = [
+        StepPoint(
+            p.phase,
+            p.tokens,
+            p.keys,
+            p.sampled,
+            float(s),
+            p.nodes,
+            p.redundant_experts,
+            contended=p.contended,
+        )
+        for p, s in zip(points, seconds, strict=True)
+    ]
+    cal = fit_calibration("t", "synthetic", measured, H800, DEEPSEEK_V3)
+    assert cal.factors["decode_contention"] == pytest.approx(0.6, abs=0.05)
+    assert cal.factors["prefill_contention"] == pytest.approx(0.1, abs=0.05)
+    plain = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    assert "decode_contention" not in plain.fitted and plain.factors["decode_contention"] == 0.0
+
+
+def test_a_file_without_contention_factors_reads_as_none(tmp_path):
+    cal = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    data = cal.to_dict()
+    for name in ("decode_contention", "prefill_contention"):
+        del data["factors"][name]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    back = load_calibration(str(path))
+    assert back.factors["decode_contention"] == back.factors["prefill_contention"] == 0.0
+    np.testing.assert_allclose(back.predict(back.fit_points), cal.predict(cal.fit_points))

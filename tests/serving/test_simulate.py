@@ -334,3 +334,44 @@ def test_planner_finds_fewer_units_for_less_traffic():
     assert big.prefill.metric_s <= 1.0 and big.decode.metric_s <= 0.05
     with pytest.raises(InputError, match="slo_ttft_p95_s"):
         plan_capacity(light, slo_ttft_p95_s=0, slo_tpot_p95_s=0.05)
+
+
+def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
+    """Units sharing a host's cores (a live CPU calibration): while the prefill unit computes a
+    prompt for W seconds, a decode step takes (1 + c) times as long, so a request decoding
+    throughout loses W * c / (1 + c) seconds of progress; a prefill with decode running takes
+    (1 + c') times its work."""
+    from dataclasses import replace
+
+    from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
+
+    # A decodes from t=0 for ~minutes; B, a one-token answer, only occupies the prefill unit
+    w = Workload(
+        np.array([0.0, 5.0]),
+        np.array([100, 100_000]),
+        np.array([4000, 1]),
+        np.zeros(2),
+        1.0,
+        60.0,
+    )
+    cfg = SimConfig(tick_s=0.005, drain_s=600.0)
+    base = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, cfg)
+    c = 0.5
+    eff = replace(DEFAULT_EFFICIENCY, decode_contention=c)
+    slowed = simulate(
+        w, constant_schedule(1, 1, 60.0), PREFILL, PerfModel(DECODE.dep, HW, eff=eff), cfg
+    )
+    from moeinfra.serving.unit_cost import prefill_cost
+
+    work = prefill_cost(PREFILL, DECODE, w, cfg.balancer).work_s[1]  # the unit's busy window
+    assert 0.5 < work <= base.ttft_s[1]
+    delay = slowed.finish_s[0] - base.finish_s[0]
+    assert delay == pytest.approx(work * c / (1 + c), rel=0.02)
+    assert slowed.ttft_s[1] == base.ttft_s[1]
+    # a prefill while decode runs: its work and first token take (1 + c') times as long
+    eff_p = replace(DEFAULT_EFFICIENCY, prefill_contention=0.25)
+    both = simulate(
+        w, constant_schedule(1, 1, 60.0), PerfModel(PREFILL.dep, HW, eff=eff_p), DECODE, cfg
+    )
+    assert both.ttft_s[1] == pytest.approx(1.25 * base.ttft_s[1], rel=1e-9)
+    assert both.ttft_s[0] == base.ttft_s[0]  # nothing decoded when A arrived

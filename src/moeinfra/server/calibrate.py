@@ -81,9 +81,11 @@ def measure_host(ranks: int, seconds: float = 0.3) -> HardwareSpec:
 def probe_load(
     vocab: int, max_prompt: int, decode_slots: int, seed: int = 0
 ) -> list[list[BenchRequest]]:
-    """Waves of requests (each wave sent at once, waves one after another) that span the steps:
-    single prompts of 16 tokens up to ``max_prompt``, bursts of 2-8 prompts, and decode batches of
-    1 request up to ``decode_slots``."""
+    """Waves of requests (waves one after another) that span the steps: single prompts of 16
+    tokens up to ``max_prompt``, bursts of 2-8 prompts, decode batches of 1 request up to
+    ``decode_slots`` (each of these sent at once), and decode batches with prompts arriving one by
+    one while they decode (steps of units that compute at the same time). :func:`steady_load`
+    follows them."""
     rng = np.random.default_rng(seed)
     tag = iter(range(1 << 30))
 
@@ -92,9 +94,9 @@ def probe_load(
 
     waves = []
     lengths = np.unique(np.geomspace(16, max(max_prompt, 16), 7).astype(int))
-    for n in lengths:
+    for n in np.r_[lengths, lengths]:
         waves.append([BenchRequest(0.0, prompt(int(n)), 2)])
-    for k in (2, 4, 8):
+    for k in (2, 3, 4, 6, 8):
         sizes = rng.integers(32, max(min(max_prompt, 512), 33), k)
         waves.append([BenchRequest(0.0, prompt(int(n)), 2) for n in sizes])
     batch = 1
@@ -102,31 +104,94 @@ def probe_load(
         sizes = rng.integers(16, max(min(max_prompt // 2, 384), 17), batch)
         waves.append([BenchRequest(0.0, prompt(int(n)), 48) for n in sizes])
         batch *= 2
+    for batch in (2, min(8, decode_slots)):
+        wave = [BenchRequest(0.0, prompt(64), 96) for _ in range(batch)]
+        sizes = np.geomspace(64, max(max_prompt // 2, 64), 8).astype(int)
+        wave += [
+            BenchRequest(0.3 + 0.3 * i, prompt(int(n)), 2)
+            for i, n in enumerate(rng.permutation(sizes))
+        ]
+        waves.append(wave)
     return waves
+
+
+def steady_load(
+    vocab: int, max_prompt: int, rate: float, seed: int = 0, requests: int = 48
+) -> list[BenchRequest]:
+    """Serving traffic: Poisson arrivals at ``rate``/s, prompts of 64 to ``max_prompt / 2``
+    tokens never seen before, 16-64 output tokens (prefill and decode steps at the same time)."""
+    rng = np.random.default_rng(seed + 1)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, requests))
+    return [
+        BenchRequest(
+            float(t - arrivals[0]),
+            token_block(2 * 10**12 + seed * 10**6 + i, int(n), vocab),
+            int(m),
+        )
+        for i, (t, n, m) in enumerate(
+            zip(
+                arrivals,
+                rng.integers(64, max(max_prompt // 2, 65), requests),
+                rng.integers(16, 65, requests),
+                strict=True,
+            )
+        )
+    ]
+
+
+def contended_share(steps: list[dict], others: list[dict]) -> np.ndarray:
+    """For each of ``steps`` (dicts with ``seconds`` and ``ended``), the share of its time during
+    which any of ``others`` ran (the union of their intervals)."""
+    if not steps:
+        return np.zeros(0)
+    end = np.array([s["ended"] for s in steps])
+    start = end - np.array([s["seconds"] for s in steps])
+    if not others:
+        return np.zeros(len(steps))
+    o_end = np.array([s["ended"] for s in others])
+    o_start = o_end - np.array([s["seconds"] for s in others])
+    order = np.argsort(o_start)
+    o_start, o_end = o_start[order], np.maximum.accumulate(o_end[order])
+    # merge into disjoint intervals: a new one begins where a start passes every earlier end
+    begins = np.r_[True, o_start[1:] > o_end[:-1]]
+    lo = o_start[begins]
+    hi = o_end[np.r_[np.flatnonzero(begins)[1:] - 1, o_end.size - 1]]
+    before = np.r_[0.0, np.cumsum(hi - lo)]  # covered time before each merged interval
+
+    def covered(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(lo, t, side="right") - 1
+        inside = np.minimum(t, hi[np.maximum(i, 0)]) - lo[np.maximum(i, 0)]
+        return np.where(i >= 0, before[np.maximum(i, 0)] + inside, 0.0)
+
+    return np.clip((covered(end) - covered(start)) / np.maximum(end - start, 1e-12), 0.0, 1.0)
 
 
 def step_points(units: list[dict]) -> list[StepPoint]:
     """Binned :class:`StepPoint` of the ``units`` of ``GET /calibration/steps`` (prefill steps of
     prefill and colocated units, decode steps of decode and colocated units; mixed steps left out).
     A bin: one phase and unit shape, tokens within a quarter octave (prefill) or equal (decode),
-    attended keys per token within half an octave."""
+    attended keys per token within half an octave, and the share of the step during which another
+    unit stepped (the units share this host's cores) in thirds."""
     bins: dict[tuple, list[dict]] = defaultdict(list)
-    for unit in units:
+    for k, unit in enumerate(units):
         engine = unit["engine"]
         shape = (
             unit["ranks"],
             int(engine.get("redundant_experts") or 0),
             2 if unit["ranks"] > 1 else 1,
         )
-        for s in unit["steps"]:
+        others = [s for j, u in enumerate(units) if j != k for s in u["steps"]]
+        shares = contended_share(unit["steps"], others)
+        for s, share in zip(unit["steps"], shares, strict=True):
             phase = s["phase"]
             if phase not in PHASES_OF_ROLE[unit["role"]]:
                 continue
             keys = s["attended_keys"] / max(s["tokens"], 1)
             size = round(np.log2(s["tokens"]) * 4) if phase == "prefill" else s["tokens"]
-            bins[(phase, shape, size, round(np.log2(keys + 1) * 2))].append(s | {"keys": keys})
+            key = (phase, shape, size, round(np.log2(keys + 1) * 2), round(float(share) * 2))
+            bins[key].append(s | {"keys": keys, "contended": float(share)})
     points = []
-    for (phase, (_ranks, redundant, mb), _, _), rows in sorted(bins.items()):
+    for (phase, (_ranks, redundant, mb), *_), rows in sorted(bins.items()):
         points.append(
             StepPoint(
                 phase,
@@ -138,6 +203,7 @@ def step_points(units: list[dict]) -> list[StepPoint]:
                 redundant_experts=redundant,
                 micro_batches=mb,
                 steps=len(rows),
+                contended=float(np.mean([r["contended"] for r in rows])),
             )
         )
     return points
@@ -190,11 +256,32 @@ def calibrate_live(
             raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
         if progress is not None:
             progress()
+    # serving traffic: Poisson arrivals at a quarter of the prefill unit's pace
+    prefill_steps = [
+        s["seconds"]
+        for u in asyncio.run(_get_steps(url))["units"]
+        if u["role"] != "decode"
+        for s in u["steps"]
+        if s["phase"] == "prefill"
+    ]
+    rate = 0.25 * len(prefill) / float(np.median(prefill_steps))
+    results, _ = asyncio.run(replay(url, steady_load(PROBE_VOCAB, max_prompt, rate, seed)))
+    failed = [r.error for r in results if r.error]
+    if failed:
+        raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
+    seen = _last_steps(asyncio.run(_get_steps(url)))
     alone = asyncio.run(
         _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
     )
     info = asyncio.run(_get_steps(url))
     points = step_points(info["units"])
+    alone_steps = [
+        s["seconds"]
+        for u in info["units"]
+        if u["role"] != "decode"
+        for s in u["steps"]
+        if s["step"] > seen.get(u["unit"], -1) and s["phase"] == "prefill"
+    ]
     ranks_per_unit = ranks.pop()
     hw = measure_host(ranks_per_unit)
     redundant = int(engine.get("redundant_experts") or 0)
@@ -221,13 +308,13 @@ def calibrate_live(
     )
     return replace(
         calibration,
-        factors=calibration.factors | {"request_overhead_s": request_overhead(calibration, alone)},
+        factors=calibration.factors | {"request_overhead_s": request_overhead(alone, alone_steps)},
     )
 
 
-async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[tuple[int, float]]:
-    """``(prompt tokens, time to first token)`` of ``prompts`` sent one after another, each on a
-    new connection as most requests of a replay are (the first, a warm-up, left out)."""
+async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[float | None]:
+    """Time to first token of ``prompts`` sent one after another, each on a new connection as
+    most requests of a replay are (the first, a warm-up, left out)."""
     import httpx
 
     from moeinfra.server.bench import stream_request
@@ -242,21 +329,23 @@ async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[tuple[int, 
             )
         if r.error is not None:
             raise InputError(f"--url={url!r}: a probe request failed: {r.error}")
-        out.append((r.prompt_tokens, r.ttft_s))
+        out.append(r.ttft_s)
     return out[1:]
 
 
-def request_overhead(calibration: Calibration, alone: list[tuple[int, float]]) -> float:
-    """Median time to first token of prompts sent alone beyond the modelled prefill step of
-    their tokens: the API server, router and transport (>= 0; a client's connection set-up is
-    not included)."""
-    prefill = calibration.perf_model(calibration.units["prefill"])
-    extra = [
-        ttft - prefill.prefill_breakdown(tokens_per_gpu=n, prompt_len=n).step_s
-        for n, ttft in alone
-        if ttft is not None
-    ]
-    return max(float(np.median(extra)), 0.0) if extra else 0.0
+def _last_steps(info: dict) -> dict[str, int]:
+    """The latest step number of each unit of a ``GET /calibration/steps`` answer."""
+    return {u["unit"]: max((s["step"] for s in u["steps"]), default=-1) for u in info["units"]}
+
+
+def request_overhead(ttft_s: list[float], step_s: list[float]) -> float:
+    """A request's time outside the engine step that computes its first token (API server,
+    router, transport): the median time to first token of prompts sent alone less the median of
+    the prefill steps they ran (>= 0; a prompt whose one token was empty text has no time)."""
+    ttft_s = [t for t in ttft_s if t is not None]
+    if not ttft_s or not step_s:
+        return 0.0
+    return max(float(np.median(ttft_s) - np.median(step_s)), 0.0)
 
 
 def predict_replay(

@@ -109,7 +109,8 @@ class UnitState:
         """The unit's recent engine steps that every rank reported, one dict per step: its
         ``phase`` (``prefill``: prompt tokens only, ``decode``: one-token rows only, else
         ``mixed``), the busiest rank's ``tokens``, ``attended_keys`` and ``sampled`` rows (it paces
-        the step: ranks meet in every layer's all-to-all) and the slowest rank's ``seconds``."""
+        the step: ranks meet in every layer's all-to-all), the slowest rank's ``seconds`` and when
+        the last rank ``ended`` it (Unix time)."""
         if not self.ranks:
             return []
         by_rank = [{row[0]: row[1:] for row in r.steps} for r in self.ranks]
@@ -133,6 +134,7 @@ class UnitState:
                     "attended_keys": busiest[2],
                     "sampled": busiest[3],
                     "seconds": max(r[4] for r in rows),
+                    "ended": max(r[5] for r in rows),
                 }
             )
         return records

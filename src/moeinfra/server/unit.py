@@ -145,9 +145,9 @@ class RankServer:
         self.last_report = 0.0
         self.iteration_began = time.perf_counter()
         self.stepped = core.steps
-        # (step, seconds from the messages' arrival to the step's outputs sent): what a request
-        # waits per step, the engine's step plus the loop around it (agreement, I/O)
-        self.step_seconds: list[tuple[int, float]] = []
+        # (step, seconds from the messages' arrival to the step's outputs sent, wall-clock end):
+        # what a request waits per step, the engine's step plus the loop around it (agreement, I/O)
+        self.step_seconds: list[tuple[int, float, float]] = []
 
     def hello(self) -> None:
         self._send(
@@ -241,7 +241,9 @@ class RankServer:
             self._push(h)
         if self.core.steps != self.stepped:
             self.stepped = self.core.steps
-            self.step_seconds.append((self.stepped, time.perf_counter() - self.iteration_began))
+            self.step_seconds.append(
+                (self.stepped, time.perf_counter() - self.iteration_began, time.time())
+            )
         now = time.monotonic()
         if now - self.last_report >= REPORT_S:
             self.report(now)
@@ -305,17 +307,26 @@ class RankServer:
         )
 
     def _new_steps(self) -> list[tuple]:
-        """``(step, prefill tokens, decode tokens, attended keys, sampled rows, seconds)`` of the
-        steps since the last report (the server joins the ranks' rows of a step by its number)."""
+        """``(step, prefill tokens, decode tokens, attended keys, sampled rows, seconds, ended at
+        (Unix time))`` of the steps since the last report (the server joins the ranks' rows of a
+        step by its number)."""
         core, timed = self.core, self.step_seconds
         self.step_seconds = []
         rows = []
-        for step, seconds in timed:
+        for step, seconds, ended in timed:
             back = core.steps - step  # core.stats[-1] is the latest step (indexed from the end)
             if back < len(core.stats):
                 s = core.stats[-1 - back]
                 rows.append(
-                    (step, s.prefill_tokens, s.decode_tokens, s.attended_keys, s.sampled, seconds)
+                    (
+                        step,
+                        s.prefill_tokens,
+                        s.decode_tokens,
+                        s.attended_keys,
+                        s.sampled,
+                        seconds,
+                        ended,
+                    )
                 )
         return rows
 

@@ -4,11 +4,14 @@ The first-principles model (:mod:`moeinfra.serving.perfmodel`) stays as it is; a
 separate, named input — a JSON file holding the hardware and model it was measured on, the measured
 steps it was fitted on, the steps held out to validate it, the fitted factors and both residuals.
 Factors (:data:`FACTORS`): multipliers on the modelled GEMM, core-attention and all-to-all times,
-the fixed seconds of one all-to-all call and of one step (host scheduling, launches, sampling).
+the fixed seconds of one all-to-all call and of one step (host scheduling, launches, sampling),
+and how much a step slows while another unit computes on the same host (units sharing one CPU host;
+fitted only when some measured steps overlapped another unit's).
 
 Fit: least squares on ``log(predicted / measured)`` (a 10% miss weighs the same on a 1 ms and a
 1 s step), multipliers in log space, every factor bounded, one residual per binned measurement
-weighted by the steps in its bin (``scipy.optimize.least_squares``).
+weighted by its bin's share of its phase's steps (prefill and decode weigh the same)
+(``scipy.optimize.least_squares``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from moeinfra.serving.specs import Deployment, HardwareSpec, ModelSpec
 
 FORMAT_VERSION = 1
 MULTIPLIERS = ("gemm_time", "attention_time", "comm_time")
-FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s")
+CONTENTION = {"prefill": "prefill_contention", "decode": "decode_contention"}
+FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s", *CONTENTION.values())
 #: Measured directly rather than fitted: a live server's time outside its units per request.
 MEASURED = ("request_overhead_s",)
 BOUNDS = {
@@ -36,7 +40,11 @@ BOUNDS = {
     "comm_time": (1e-3, 1e5),
     "comm_launch_s": (0.0, 1.0),
     "step_overhead_s": (0.0, 10.0),
+    "prefill_contention": (0.0, 4.0),
+    "decode_contention": (0.0, 4.0),
 }
+#: Optional in a file (0 when absent: calibrations of units with their own GPUs).
+CONTENTION_SET = frozenset(CONTENTION.values())
 #: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
 #: count (a CPU host: no tensor-core tile effects).
 GEMM_TABLES = ("deepgemm-h800", "flat")
@@ -50,7 +58,8 @@ class StepPoint:
     unit it ran on (GPUs = nodes x the hardware's GPUs per node). Prefill: ``tokens`` computed on
     the busiest GPU, ``keys`` attended per token, ``sampled`` prompts finishing (rows through the LM
     head). Decode: ``tokens`` requests on the busiest GPU, ``keys`` their mean KV length.
-    ``steps``: how many steps the point stands for (its weight in the fit).
+    ``steps``: how many steps the point stands for (its weight in the fit). ``contended``: the
+    share of the step during which another unit on the same host computed (0..1).
     """
 
     phase: str
@@ -62,6 +71,7 @@ class StepPoint:
     redundant_experts: int = 0
     micro_batches: int = 2
     steps: int = 1
+    contended: float = 0.0
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):
@@ -74,6 +84,8 @@ class StepPoint:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InputError(f"StepPoint.{name}={value!r} must be a finite number >= 0")
+        if not 0.0 <= self.contended <= 1.0:
+            raise InputError(f"StepPoint.contended={self.contended!r} must be in [0, 1]")
 
     def deployment(self) -> Deployment:
         return Deployment(
@@ -151,7 +163,7 @@ class Calibration:
             "source": self.source,
             "created": self.created,
             "method": "least squares on log(predicted/measured), multipliers in log space, "
-            "bounded; residuals weighted by steps per point",
+            "bounded; residuals weighted by each point's share of its phase's steps",
             "hardware": asdict(self.hardware),
             "model": asdict(self.model),
             "gemm_table": self.gemm_table,
@@ -187,9 +199,9 @@ class Calibration:
                     f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
                 )
             point_keys = StepPoint.__dataclass_fields__
-            factors = {k: float(data["factors"][k]) for k in FACTORS} | {
-                k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]
-            }
+            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in CONTENTION_SET}
+            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(CONTENTION_SET)}
+            factors |= {k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]}
             gemm_table = data.get("gemm_table", "deepgemm-h800")
             if gemm_table not in GEMM_TABLES:
                 raise InputError(f"{where}: gemm_table={gemm_table!r} is not one of {GEMM_TABLES}")
@@ -265,7 +277,8 @@ def predict_seconds(
             ).step_s
         else:
             out[i] = float(perf.decode_step_s(p.tokens, p.keys))
-    return out
+    slowdown = [getattr(eff, CONTENTION[p.phase]) * p.contended for p in points]
+    return out * (1.0 + np.array(slowdown))
 
 
 def relative_errors(points, predicted: np.ndarray) -> dict[str, float]:
@@ -301,13 +314,17 @@ def fit_calibration(
     kv_tokens_per_gpu: float | None = None,
 ) -> Calibration:
     """Fit ``free`` factors to ``points`` (every ``hold_out_every``-th point, ordered by phase and
-    size, is held out for validation; 0 holds none out); the others keep their defaults."""
+    size, is held out for validation; 0 holds none out); the others keep their defaults.
+    A phase's contention factor is fitted only when some of its points are contended (else 0)."""
     from scipy.optimize import least_squares
 
     unknown = [f for f in free if f not in FACTORS]
     if unknown or not free:
         raise InputError(f"free={free!r} must be a non-empty subset of {FACTORS}")
-    ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys))
+    for phase, factor in CONTENTION.items():
+        if not any(p.contended > 0 for p in points if p.phase == phase):
+            free = tuple(f for f in free if f != factor)
+    ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys, p.contended))
     k = hold_out_every
     held = ordered[k - 1 :: k] if k else []
     fit = [p for i, p in enumerate(ordered) if (i + 1) % k] if k else ordered
@@ -316,7 +333,11 @@ def fit_calibration(
             f"{len(fit)} measured points to fit {len(free)} factors: measure more step sizes"
         )
     measured = np.log(np.array([p.seconds for p in fit]))
-    weight = np.sqrt(np.array([p.steps for p in fit], dtype=np.float64))
+    # a point weighs by its steps' share of its phase: prefill and decode count the same however
+    # many steps of each were measured
+    steps = np.array([p.steps for p in fit], dtype=np.float64)
+    phase_steps = {ph: sum(p.steps for p in fit if p.phase == ph) for ph in ("prefill", "decode")}
+    weight = np.sqrt(steps / np.array([phase_steps[p.phase] for p in fit]))
     base = {k: getattr(DEFAULT_EFFICIENCY, k) for k in FACTORS}
     logged = [f in MULTIPLIERS for f in free]
 

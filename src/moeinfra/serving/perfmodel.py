@@ -104,6 +104,10 @@ class Efficiency:
         (:mod:`moeinfra.serving.calibration`).
     request_overhead_s: seconds a request spends outside the units before its first token (API
         server, router, transport); 0 in the first-principles model, measured by a live calibration.
+    prefill_contention / decode_contention: share by which a prefill / decode step slows while
+        another unit computes on the same host's cores, ``t * (1 + c * overlap)`` (a live
+        calibration of units sharing one CPU host; a decode step, a chain of small all-to-alls,
+        waits on every descheduled peer); 0 for units that have their own GPUs.
     """
 
     gemm_tflops: dict[str, dict[int, float]] = field(
@@ -135,6 +139,8 @@ class Efficiency:
     attention_time: float = 1.0
     comm_time: float = 1.0
     request_overhead_s: float = 0.0
+    prefill_contention: float = 0.0
+    decode_contention: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))

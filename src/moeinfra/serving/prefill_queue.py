@@ -63,21 +63,23 @@ class PrefillQueue:
         """Empty every unit's queue (to run another trial on the same requests)."""
         self.busy[:] = 0.0
 
-    def admit(self, lo: int, hi: int, units: int):
-        """Queue requests ``lo..hi-1`` on the first ``units`` units.
+    def admit(self, lo: int, hi: int, units: int, slowdown: float = 1.0):
+        """Queue requests ``lo..hi-1`` on the first ``units`` units, their work taking
+        ``slowdown`` times as long (units sharing a host's cores with busy decode units).
 
         Returns ``(accepted, unit, first_token_s, refused)``: indices, their unit and first-token
         time, and the indices refused for waiting longer than ``max_wait_s``.
         """
         unit = np.empty(hi - lo, dtype=np.int64)
         start = np.empty(hi - lo)
-        arrival, work = self.arrival[lo:hi], self.work[lo:hi]
+        arrival, work = self.arrival[lo:hi], self.work[lo:hi] * slowdown
         least_work_fifo(arrival, work, self.busy, units, self.max_wait_s, unit, start)
         ok = unit >= 0
         idx = np.arange(lo, hi)
-        wait = (start - arrival)[ok]
+        wait = start[ok] - arrival[ok]
         wait = np.minimum(wait, self.lump_allowance) / self.scale + np.maximum(
             wait - self.lump_allowance, 0.0
         )
-        first = arrival[ok] + wait + np.maximum(work[ok] / self.scale, self.min_latency[idx[ok]])
+        own = np.maximum(work[ok] / self.scale, self.min_latency[idx[ok]] * slowdown)
+        first = arrival[ok] + wait + own
         return idx[ok], unit[ok], first, idx[~ok]

@@ -234,7 +234,12 @@ def simulate(
         p_units, d_units = (int(x) for x in schedule.at(t0))
         # ---- arrivals -> prefill ----
         hi = int(np.searchsorted(arrival, t1, side="left"))
-        idx, unit, fin, refused = queue.admit(lo, hi, p_units)
+        slowdown = 1.0
+        if prefill.eff.prefill_contention and a_idx.size:
+            # units sharing the host's cores: the decode units computing slow the prefill
+            busy_decode = np.unique(a_unit).size / max(d_units, 1)
+            slowdown += prefill.eff.prefill_contention * busy_decode
+        idx, unit, fin, refused = queue.admit(lo, hi, p_units, slowdown)
         status[refused] = REJECTED
         reason[refused] = 0
         np.add.at(work_done_rec, unit, work[idx])
@@ -306,6 +311,10 @@ def simulate(
             step[active] = decode.decode_step_s(
                 batch[active], mean_kv[active], imb["decode_requests"], imb["decode_kv"]
             )
+            if decode.eff.decode_contention:
+                # units sharing the host's cores: the prefill units' busy share of the tick
+                busy_prefill = np.clip((queue.busy[:p_units] - t0) / cfg.tick_s, 0.0, 1.0).mean()
+                step *= 1.0 + decode.eff.decode_contention * busy_prefill
             last_step = np.where(active, step, last_step)
             gain = run_s / step[a_unit]
             produced = np.minimum(gain, remaining)
