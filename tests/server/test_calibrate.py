@@ -59,6 +59,8 @@ def test_live_calibration_fits_and_validates(calibration):
     # the probe's overlapping waves and steady traffic put steps of both units side by side
     assert any(p.contended > 0.5 for p in calibration.fit_points if p.phase == "decode")
     assert "decode_contention" in calibration.fitted
+    assert any(p.interrupts >= 1 for p in calibration.fit_points)
+    assert "decode_interrupt_s" in calibration.fitted
     back = load_calibration(str(path))
     assert back.factors == calibration.factors
 
@@ -113,6 +115,19 @@ def test_contended_share_is_the_overlap_with_the_union_of_other_steps():
     # [1,2]: 0.5 + 0.2; [4,5]: the union [4.25, 4.8]; [8,10]: 0.5 of 2; [11,12]: none
     np.testing.assert_allclose(contended_share(mine, others), [0.7, 0.55, 0.25, 0.0])
     assert contended_share(mine, []).tolist() == [0.0] * 4
+
+
+def test_boundaries_within_counts_other_steps_starting_or_ending_inside():
+    from moeinfra.server.calibrate import boundaries_within
+
+    def step(start, end):
+        return {"ended": end, "seconds": end - start}
+
+    mine = [step(1, 2), step(4, 5), step(8, 10), step(11, 12)]
+    others = [step(0.5, 1.5), step(1.6, 1.8), step(4.25, 4.5), step(3, 6), step(12.5, 13)]
+    # [1,2]: an end, a start and an end; [4,5]: a start and an end (the long step is around it)
+    assert boundaries_within(mine, others).tolist() == [3, 2, 0, 0]
+    assert boundaries_within(mine, []).tolist() == [0] * 4
 
 
 def test_steady_load_is_poisson_at_the_rate_with_fresh_prompts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -181,10 +182,30 @@ def test_contention_factors_are_fitted_per_phase_from_contended_steps():
     assert "decode_contention" not in plain.fitted and plain.factors["decode_contention"] == 0.0
 
 
+def test_the_decode_interrupt_is_fitted_from_interrupted_decode_steps():
+    """A decode step during which a prefill step of another unit started or ended k times takes
+    k x decode_interrupt_s longer; the fit recovers it, and refuses interrupts on prefill steps."""
+    truth = TRUE | {"decode_interrupt_s": 0.004}
+    points = [
+        replace(p, seconds=1.0, interrupts=float(k))
+        for p in measured_points(noise=0.0)
+        for k in ((0, 1, 2) if p.phase == "decode" else (0,))
+    ]
+    seconds = predict_seconds(points, H800, DEEPSEEK_V3, efficiency_with(truth))
+    assert seconds[-1] - seconds[-3] == pytest.approx(0.008)  # by hand: two edges, 4 ms each
+    measured = [replace(p, seconds=float(s)) for p, s in zip(points, seconds, strict=True)]
+    cal = fit_calibration("t", "synthetic", measured, H800, DEEPSEEK_V3)
+    assert cal.factors["decode_interrupt_s"] == pytest.approx(0.004, rel=0.05)
+    plain = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    assert "decode_interrupt_s" not in plain.fitted and plain.factors["decode_interrupt_s"] == 0
+    with pytest.raises(InputError, match="interrupts"):
+        StepPoint("prefill", 100.0, 50.0, 1.0, 0.1, interrupts=1.0)
+
+
 def test_a_file_without_contention_factors_reads_as_none(tmp_path):
     cal = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
     data = cal.to_dict()
-    for name in ("decode_contention", "prefill_contention"):
+    for name in ("decode_contention", "prefill_contention", "decode_interrupt_s"):
         del data["factors"][name]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))

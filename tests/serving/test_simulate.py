@@ -375,3 +375,38 @@ def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
     )
     assert both.ttft_s[1] == pytest.approx(1.25 * base.ttft_s[1], rel=1e-9)
     assert both.ttft_s[0] == base.ttft_s[0]  # nothing decoded when A arrived
+    # each prefill start and end costs the decoding unit decode_interrupt_s: B's two edges
+    eff_i = replace(DEFAULT_EFFICIENCY, decode_interrupt_s=0.03)
+    cut = simulate(
+        w, constant_schedule(1, 1, 60.0), PREFILL, PerfModel(DECODE.dep, HW, eff=eff_i), cfg
+    )
+    assert cut.finish_s[0] - base.finish_s[0] == pytest.approx(0.06, rel=0.02)
+    assert cut.ttft_s.tolist() == base.ttft_s.tolist()
+
+
+def test_the_fullest_rank_holds_whole_requests():
+    from moeinfra.serving.simulate import fullest_rank_requests
+
+    assert fullest_rank_requests(np.array([1.0, 2.0, 3.0, 5.0, 8.0]), 2).tolist() == [1, 1, 2, 3, 4]
+    assert fullest_rank_requests(np.array([2.5, 0.25]), 2).tolist() == [1.5, 0.25]
+    assert fullest_rank_requests(np.array([3.0]), 144).tolist() == [1.0]
+
+
+def test_a_lone_request_paces_its_unit_as_one_request_on_one_rank():
+    """Data-parallel attention: one request sits whole on one rank, whose step sets the unit's
+    pace, however many ranks share the unit (not 1/ranks of a request per rank)."""
+    from moeinfra.serving.unit_cost import prefill_cost
+
+    w = Workload(np.array([0.0]), np.array([1000]), np.array([400]), np.zeros(1), 1.0, 60.0)
+    cfg = SimConfig(tick_s=0.01, drain_s=600.0)
+    res = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, cfg)
+    imb = prefill_cost(PREFILL, DECODE, w, cfg.balancer).imbalance
+    kv = 1000 + np.arange(1, 400)
+    one = DECODE.decode_step_s(
+        np.full(kv.size, 1.0 / imb["decode_requests"]), kv, imb["decode_requests"], imb["decode_kv"]
+    )
+    assert res.tpot_s[0] == pytest.approx(one.mean(), rel=1e-3)
+    spread = DECODE.decode_step_s(
+        np.full(kv.size, 1.0 / DECODE.gpus), kv, imb["decode_requests"], imb["decode_kv"]
+    )
+    assert res.tpot_s[0] > 1.003 * spread.mean()  # the old pace: 1/144 of a request per rank

@@ -166,12 +166,25 @@ def contended_share(steps: list[dict], others: list[dict]) -> np.ndarray:
     return np.clip((covered(end) - covered(start)) / np.maximum(end - start, 1e-12), 0.0, 1.0)
 
 
+def boundaries_within(steps: list[dict], others: list[dict]) -> np.ndarray:
+    """For each of ``steps`` (dicts with ``seconds`` and ``ended``), how many of ``others``
+    started or ended inside it."""
+    if not steps:
+        return np.zeros(0, dtype=np.int64)
+    end = np.array([s["ended"] for s in steps])
+    start = end - np.array([s["seconds"] for s in steps])
+    o_end = np.array([s["ended"] for s in others])
+    edges = np.sort(np.r_[o_end - np.array([s["seconds"] for s in others]), o_end])
+    return np.searchsorted(edges, end, side="left") - np.searchsorted(edges, start, side="right")
+
+
 def step_points(units: list[dict]) -> list[StepPoint]:
     """Binned :class:`StepPoint` of the ``units`` of ``GET /calibration/steps`` (prefill steps of
     prefill and colocated units, decode steps of decode and colocated units; mixed steps left out).
     A bin: one phase and unit shape, tokens within a quarter octave (prefill) or equal (decode),
-    attended keys per token within half an octave, and the share of the step during which another
-    unit stepped (the units share this host's cores) in thirds."""
+    attended keys per token within half an octave, the share of the step during which another
+    unit stepped (the units share this host's cores) in thirds, and for decode how many prefill
+    steps of other units started or ended inside it (0, 1, 2, 3 or more)."""
     bins: dict[tuple, list[dict]] = defaultdict(list)
     for k, unit in enumerate(units):
         engine = unit["engine"]
@@ -182,14 +195,21 @@ def step_points(units: list[dict]) -> list[StepPoint]:
         )
         others = [s for j, u in enumerate(units) if j != k for s in u["steps"]]
         shares = contended_share(unit["steps"], others)
-        for s, share in zip(unit["steps"], shares, strict=True):
+        prefills = [
+            s for j, u in enumerate(units) if j != k for s in u["steps"] if s["phase"] == "prefill"
+        ]
+        edges = boundaries_within(unit["steps"], prefills)
+        for s, share, edge in zip(unit["steps"], shares, edges, strict=True):
             phase = s["phase"]
             if phase not in PHASES_OF_ROLE[unit["role"]]:
                 continue
             keys = s["attended_keys"] / max(s["tokens"], 1)
             size = round(np.log2(s["tokens"]) * 4) if phase == "prefill" else s["tokens"]
+            edge = int(edge) if phase == "decode" else 0
             key = (phase, shape, size, round(np.log2(keys + 1) * 2), round(float(share) * 2))
-            bins[key].append(s | {"keys": keys, "contended": float(share)})
+            bins[(*key, min(edge, 3))].append(
+                s | {"keys": keys, "contended": float(share), "interrupts": edge}
+            )
     points = []
     for (phase, (_ranks, redundant, mb), *_), rows in sorted(bins.items()):
         points.append(
@@ -204,6 +224,7 @@ def step_points(units: list[dict]) -> list[StepPoint]:
                 micro_batches=mb,
                 steps=len(rows),
                 contended=float(np.mean([r["contended"] for r in rows])),
+                interrupts=float(np.mean([r["interrupts"] for r in rows])),
             )
         )
     return points

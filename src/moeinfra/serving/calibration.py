@@ -5,8 +5,9 @@ separate, named input — a JSON file holding the hardware and model it was meas
 steps it was fitted on, the steps held out to validate it, the fitted factors and both residuals.
 Factors (:data:`FACTORS`): multipliers on the modelled GEMM, core-attention and all-to-all times,
 the fixed seconds of one all-to-all call and of one step (host scheduling, launches, sampling),
-and how much a step slows while another unit computes on the same host (units sharing one CPU host;
-fitted only when some measured steps overlapped another unit's).
+how much a step slows while another unit computes on the same host, and the seconds a decode step
+loses each time a prefill step starts or ends during it (units sharing one CPU host; each fitted
+only when some measured steps overlapped another unit's).
 
 Fit: least squares on ``log(predicted / measured)`` (a 10% miss weighs the same on a 1 ms and a
 1 s step), multipliers in log space, every factor bounded, one residual per binned measurement
@@ -31,7 +32,8 @@ from moeinfra.serving.specs import Deployment, HardwareSpec, ModelSpec
 FORMAT_VERSION = 1
 MULTIPLIERS = ("gemm_time", "attention_time", "comm_time")
 CONTENTION = {"prefill": "prefill_contention", "decode": "decode_contention"}
-FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s", *CONTENTION.values())
+INTERRUPT = "decode_interrupt_s"
+FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s", *CONTENTION.values(), INTERRUPT)
 #: Measured directly rather than fitted: a live server's time outside its units per request.
 MEASURED = ("request_overhead_s",)
 BOUNDS = {
@@ -42,9 +44,10 @@ BOUNDS = {
     "step_overhead_s": (0.0, 10.0),
     "prefill_contention": (0.0, 4.0),
     "decode_contention": (0.0, 4.0),
+    INTERRUPT: (0.0, 1.0),
 }
 #: Optional in a file (0 when absent: calibrations of units with their own GPUs).
-CONTENTION_SET = frozenset(CONTENTION.values())
+HOST_SHARING = frozenset({*CONTENTION.values(), INTERRUPT})
 #: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
 #: count (a CPU host: no tensor-core tile effects).
 GEMM_TABLES = ("deepgemm-h800", "flat")
@@ -59,7 +62,9 @@ class StepPoint:
     the busiest GPU, ``keys`` attended per token, ``sampled`` prompts finishing (rows through the LM
     head). Decode: ``tokens`` requests on the busiest GPU, ``keys`` their mean KV length.
     ``steps``: how many steps the point stands for (its weight in the fit). ``contended``: the
-    share of the step during which another unit on the same host computed (0..1).
+    share of the step during which another unit on the same host computed (0..1);
+    ``interrupts``: how many times a prefill step of another unit on the same host started or
+    ended during this decode step.
     """
 
     phase: str
@@ -72,6 +77,7 @@ class StepPoint:
     micro_batches: int = 2
     steps: int = 1
     contended: float = 0.0
+    interrupts: float = 0.0
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):
@@ -86,6 +92,12 @@ class StepPoint:
                 raise InputError(f"StepPoint.{name}={value!r} must be a finite number >= 0")
         if not 0.0 <= self.contended <= 1.0:
             raise InputError(f"StepPoint.contended={self.contended!r} must be in [0, 1]")
+        if not (math.isfinite(self.interrupts) and self.interrupts >= 0):
+            raise InputError(
+                f"StepPoint.interrupts={self.interrupts!r} must be a finite number >= 0"
+            )
+        if self.interrupts and self.phase != "decode":
+            raise InputError("StepPoint.interrupts: counted for decode steps only")
 
     def deployment(self) -> Deployment:
         return Deployment(
@@ -199,8 +211,8 @@ class Calibration:
                     f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
                 )
             point_keys = StepPoint.__dataclass_fields__
-            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in CONTENTION_SET}
-            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(CONTENTION_SET)}
+            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in HOST_SHARING}
+            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(HOST_SHARING)}
             factors |= {k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]}
             gemm_table = data.get("gemm_table", "deepgemm-h800")
             if gemm_table not in GEMM_TABLES:
@@ -277,8 +289,9 @@ def predict_seconds(
             ).step_s
         else:
             out[i] = float(perf.decode_step_s(p.tokens, p.keys))
-    slowdown = [getattr(eff, CONTENTION[p.phase]) * p.contended for p in points]
-    return out * (1.0 + np.array(slowdown))
+    slowdown = np.array([getattr(eff, CONTENTION[p.phase]) * p.contended for p in points])
+    interrupted = np.array([p.interrupts for p in points]) * eff.decode_interrupt_s
+    return out * (1.0 + slowdown) + interrupted
 
 
 def relative_errors(points, predicted: np.ndarray) -> dict[str, float]:
@@ -315,7 +328,8 @@ def fit_calibration(
 ) -> Calibration:
     """Fit ``free`` factors to ``points`` (every ``hold_out_every``-th point, ordered by phase and
     size, is held out for validation; 0 holds none out); the others keep their defaults.
-    A phase's contention factor is fitted only when some of its points are contended (else 0)."""
+    A phase's contention factor is fitted only when some of its points are contended, the decode
+    interrupt only when some decode points were interrupted (else 0)."""
     from scipy.optimize import least_squares
 
     unknown = [f for f in free if f not in FACTORS]
@@ -324,7 +338,9 @@ def fit_calibration(
     for phase, factor in CONTENTION.items():
         if not any(p.contended > 0 for p in points if p.phase == phase):
             free = tuple(f for f in free if f != factor)
-    ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys, p.contended))
+    if not any(p.interrupts > 0 for p in points):
+        free = tuple(f for f in free if f != INTERRUPT)
+    ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys, p.contended, p.interrupts))
     k = hold_out_every
     held = ordered[k - 1 :: k] if k else []
     fit = [p for i, p in enumerate(ordered) if (i + 1) % k] if k else ordered

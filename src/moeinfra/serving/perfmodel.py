@@ -108,6 +108,9 @@ class Efficiency:
         another unit computes on the same host's cores, ``t * (1 + c * overlap)`` (a live
         calibration of units sharing one CPU host; a decode step, a chain of small all-to-alls,
         waits on every descheduled peer); 0 for units that have their own GPUs.
+    decode_interrupt_s: seconds a decode unit on the same host loses each time a prefill step
+        starts or ends (the prefill unit's host work around its step: scheduling, hand-off,
+        detokenisation); 0 for units that have their own GPUs.
     """
 
     gemm_tflops: dict[str, dict[int, float]] = field(
@@ -141,6 +144,7 @@ class Efficiency:
     request_overhead_s: float = 0.0
     prefill_contention: float = 0.0
     decode_contention: float = 0.0
+    decode_interrupt_s: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))

@@ -155,6 +155,16 @@ def json_ready(value):
     return value
 
 
+def fullest_rank_requests(requests, ranks: int):
+    """Requests on the fullest of ``ranks`` ranks sharing ``requests`` as evenly as whole
+    requests allow: ``ceil(requests / ranks)`` at whole counts, linear in between (``requests`` is
+    an occupancy-weighted mean over a tick)."""
+    requests = np.asarray(requests, dtype=np.float64)
+    whole = np.floor(requests)
+    below, above = np.ceil(whole / ranks), np.ceil((whole + 1) / ranks)
+    return below + (requests - whole) * (above - below)
+
+
 def simulate(
     workload: Workload,
     schedule: FleetSchedule,
@@ -222,6 +232,9 @@ def simulate(
     itl_tokens = np.zeros(itl_edges.size - 1)
     prev_d_units = None
     last_step = np.full(d_max, 0.02)
+    interrupt_s = decode.eff.decode_interrupt_s
+    prefill_edges = np.zeros(0)  # starts and ends of prefills, not yet reached
+    behind = np.zeros(d_max)  # seconds each decode unit owes to prefill edges (shared host)
     lo = 0
     work_done_rec = np.zeros(p_max)
     end = duration
@@ -247,6 +260,9 @@ def simulate(
         first_token[idx] = fin
         done_tokens[idx] = 1.0
         ready[idx] = fin + kv_transfer[idx]
+        if interrupt_s:
+            own = np.maximum(pc.work_s[idx], pc.min_latency_s[idx]) * slowdown
+            prefill_edges = np.concatenate([prefill_edges, fin - own, fin])
         pend = np.concatenate([pend, idx])
         lo = max(lo, hi)
         # ---- scale-down: move decode requests off units that stop ----
@@ -260,6 +276,9 @@ def simulate(
                     levels, (inputs[a_idx[moved]] + a_done[moved]) * S
                 )
         prev_d_units = d_units
+        # units already decoding before this tick's arrivals (a request does not wait on the
+        # end of its own prefill)
+        decoding = np.bincount(a_unit, minlength=d_max)[:d_max] > 0
         # ---- decode admission ----
         if pend.size:
             cand = pend[ready[pend] < t1]
@@ -296,6 +315,10 @@ def simulate(
                 pend = pend[~gone]
         # ---- decode step ----
         r = tick // rec_every
+        if interrupt_s:
+            reached = prefill_edges < t1
+            edges_now = int(reached.sum())
+            prefill_edges = prefill_edges[~reached]
         if a_idx.size:
             run_s = t1 - a_from
             remaining = outputs[a_idx] - a_done
@@ -306,17 +329,27 @@ def simulate(
             kv_tokens = np.bincount(a_unit, occupancy * (inputs[a_idx] + a_done), d_max)
             active = count > 0
             batch = np.where(active, count * S / decode.gpus, 0.0)
+            # whole requests: the fullest DP rank holds at least ceil(requests / ranks), which
+            # outweighs the balancer's sampled imbalance when a unit runs few requests per rank
+            fullest = fullest_rank_requests(count * S, decode.gpus)
+            paced = np.maximum(batch, fullest / imb["decode_requests"])
             mean_kv = np.where(active, kv_tokens / np.where(active, count, 1.0), 0.0)
             step = np.full(d_max, np.inf)
             step[active] = decode.decode_step_s(
-                batch[active], mean_kv[active], imb["decode_requests"], imb["decode_kv"]
+                paced[active], mean_kv[active], imb["decode_requests"], imb["decode_kv"]
             )
             if decode.eff.decode_contention:
                 # units sharing the host's cores: the prefill units' busy share of the tick
                 busy_prefill = np.clip((queue.busy[:p_units] - t0) / cfg.tick_s, 0.0, 1.0).mean()
                 step *= 1.0 + decode.eff.decode_contention * busy_prefill
             last_step = np.where(active, step, last_step)
-            gain = run_s / step[a_unit]
+            lost = np.zeros(d_max)
+            if interrupt_s:
+                # units sharing the host's cores: each prefill starting or ending costs decode
+                behind += np.where(active & decoding, interrupt_s * S * edges_now, 0.0)
+                lost = np.minimum(behind, cfg.tick_s)
+                behind -= lost
+            gain = np.maximum(run_s - lost[a_unit], 0.0) / step[a_unit]
             produced = np.minimum(gain, remaining)
             out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
             unit_tokens = np.bincount(a_unit, produced, d_max)[active] * S
@@ -327,7 +360,11 @@ def simulate(
             if fin.any():
                 f_idx = a_idx[fin]
                 left = remaining[fin]  # 0 for a request whose only token came from prefill
-                finish_t[f_idx] = a_from[fin] + left * np.where(left > 0, step[a_unit[fin]], 0.0)
+                finish_t[f_idx] = (
+                    a_from[fin]
+                    + lost[a_unit[fin]]
+                    + left * np.where(left > 0, step[a_unit[fin]], 0.0)
+                )
                 status[f_idx] = COMPLETED
                 done_tokens[f_idx] = outputs[f_idx]
             keep = ~fin
