@@ -4,9 +4,12 @@ no-op model, and the KV bytes a hand-off moves per token.
 1. Overhead at the same batch: ``B`` requests (64-token prompts, 64 greedy output tokens, EOS
    ignored) on the engine alone (``LLM``, one rank, in-process: median pure-decode step at batch
    ``B``, one thread as a unit rank) and through the server (``serve up``, one prefill and one decode unit of one rank each,
-   the same engine options; all ``B`` requests sent at once as streams: median time per output
-   token); each the median of three repetitions. Overhead = server TPOT / engine step - 1: API server, router, ZeroMQ, the rank's loop
-   and the streamed events.
+   the same engine options; all ``B`` requests sent at once as streams); each the median of three
+   repetitions. The server's time per output token is read at three places: the decode unit's
+   step (rank loop included), the API server (its own TPOT histogram: tokens reaching it from the
+   router) and the client (after the streamed events are parsed; the client shares the two cores).
+   Overhead = TPOT / engine step - 1: API server, router, ZeroMQ and the rank's loop (at the API),
+   plus the streamed events and their parsing (at the client).
 2. Ceiling: the default units (1 prefill + 1 decode of 2 ranks) with ``--noop-model`` (the forward
    and LM head return zeros; sampling, detokenisation, hand-off and streaming still run), 64
    concurrent streams of 256 tokens, three times: median streamed tokens/s at the client, and per
@@ -60,13 +63,32 @@ def engine_step_s(batch: int, reps: int) -> float:
     return statistics.median(medians)
 
 
-def server_tpot_s(server: ServerProcess, batch: int, seed: int, reps: int) -> float:
-    medians = []
+def server_tpot_s(server: ServerProcess, batch: int, seed: int, reps: int) -> dict[str, float]:
+    """Medians over ``reps`` batches of: the decode unit's step at this batch (its rank loop
+    included, ``GET /calibration/steps``), the API server's mean time per output token (its own
+    histogram: when tokens reach it, before the client parses them) and the client's."""
+    unit, api, client = [], [], []
     for rep in range(reps):
         requests = [b.BenchRequest(0.0, p, 64) for p in prompts(batch, 64, seed + 100 * rep)]
+        before = api_tpot_totals(server.url)
+        seen = decode_steps(server.url)
         results, _ = asyncio.run(b.replay(server.url, requests))
-        medians.append(statistics.median(r.tpot_s for r in results if r.tpot_s is not None))
-    return statistics.median(medians)
+        after = api_tpot_totals(server.url)
+        steps = [s for s in decode_steps(server.url) if s["step"] > max(seen, default=-1)]
+        unit.append(statistics.median(s["seconds"] for s in steps if s["tokens"] == batch))
+        api.append((after[0] - before[0]) / (after[1] - before[1]))
+        client.append(statistics.median(r.tpot_s for r in results if r.tpot_s is not None))
+    return {k: statistics.median(v) for k, v in (("unit", unit), ("api", api), ("client", client))}
+
+
+def api_tpot_totals(url: str) -> tuple[float, float]:
+    name = "moeinfra:time_per_output_token_seconds"
+    return metric(url, f"{name}_sum"), metric(url, f"{name}_count")
+
+
+def decode_steps(url: str) -> list[dict]:
+    units = httpx.get(f"{url}/calibration/steps").json()["units"]
+    return [s for u in units if u["role"] == "decode" for s in u["steps"] if s["phase"] == "decode"]
 
 
 def metric(url: str, name: str) -> float:
@@ -83,16 +105,20 @@ def main() -> None:
     opts = parser.parse_args()
     batches = [int(x) for x in opts.batches.split(",")]
 
-    print("| requests in the batch | engine step (ms) | server TPOT (ms) | overhead |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| requests in the batch | engine step (ms) | unit step in the server (ms) | "
+        "API TPOT (ms) | overhead at the API | client TPOT (ms) | overhead at the client |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     engine = {batch: engine_step_s(batch, REPS) for batch in batches}
     with ServerProcess([*ONE_RANK, *FLAGS]) as server:
         server_tpot_s(server, 2, 99, 1)  # warm-up
         for batch in batches:
-            tpot = server_tpot_s(server, batch, 3 + batch, REPS)
+            t = server_tpot_s(server, batch, 3 + batch, REPS)
+            e = engine[batch]
             print(
-                f"| {batch} | {engine[batch] * 1e3:.2f} | {tpot * 1e3:.2f} | "
-                f"{tpot / engine[batch] - 1:+.0%} |"
+                f"| {batch} | {e * 1e3:.2f} | {t['unit'] * 1e3:.2f} | {t['api'] * 1e3:.2f} | "
+                f"{t['api'] / e - 1:+.0%} | {t['client'] * 1e3:.2f} | {t['client'] / e - 1:+.0%} |"
             )
         sent = metric(server.url, "moeinfra:kv_transfer_sent_bytes")
         prompt_tokens = metric(server.url, "moeinfra:prompt_tokens_total")
