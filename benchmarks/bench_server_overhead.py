@@ -2,14 +2,16 @@
 no-op model, and the KV bytes a hand-off moves per token.
 
 1. Overhead at the same batch: ``B`` requests (64-token prompts, 64 greedy output tokens, EOS
-   ignored) on the engine alone (``LLM``, one rank, in-process: median pure-decode step at batch
-   ``B``, one thread as a unit rank) and through the server (``serve up``, one prefill and one decode unit of one rank each,
-   the same engine options; all ``B`` requests sent at once as streams); each the median of three
-   repetitions. The server's time per output token is read at three places: the decode unit's
-   step (rank loop included), the API server (its own TPOT histogram: tokens reaching it from the
-   router) and the client (after the streamed events are parsed; the client shares the two cores).
-   Overhead = TPOT / engine step - 1: API server, router, ZeroMQ and the rank's loop (at the API),
-   plus the streamed events and their parsing (at the client).
+   ignored) on the engine alone (``LLM``, one rank, in this process, one thread as a unit rank:
+   median pure-decode step at batch ``B``) and through the server (``serve up``, one prefill and
+   one decode unit of one rank each, the same engine options; all ``B`` requests sent at once as
+   streams), in turns five times (the machine is shared: a slow spell hits both). Through the
+   server: the decode unit's step at the full batch (rank loop included), and at the client the
+   time per token while the whole batch decodes (after the last first token: the same batch as
+   the engine's step, no prefill beside it) and the TPOT of whole requests (which also holds the
+   decode steps that ran beside the batch's prefills on the same two cores). Overhead = the
+   median over the five turns of server time per token / engine step - 1: API server, router,
+   ZeroMQ, the rank's loop, the streamed events and their parsing (the client shares the cores).
 2. Ceiling: the default units (1 prefill + 1 decode of 2 ranks) with ``--noop-model`` (the forward
    and LM head return zeros; sampling, detokenisation, hand-off and streaming still run), 64
    concurrent streams of 256 tokens, three times: median streamed tokens/s at the client, and per
@@ -32,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 from moeinfra.engine import LLM, SamplingParams, default_model, init_tiny
@@ -41,49 +44,52 @@ from moeinfra.server.process import ServerProcess
 ENGINE = {"block_size": 16, "num_kv_blocks": 1024, "max_num_seqs": 64}
 FLAGS = ["--block-size", "16", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]
 ONE_RANK = ["--prefill-ranks", "1", "--decode-ranks", "1"]
-REPS = 3
+REPS = 5
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [b.token_block(seed * 10_000 + i, length, 1000) for i in range(n)]
 
 
-def engine_step_s(batch: int, reps: int) -> float:
-    torch.set_num_threads(1)  # as each unit rank runs
-    llm = LLM(default_model(), ranks=1, enable_prefix_caching=False, **ENGINE)
+def engine_step_s(llm: LLM, batch: int, seed: int) -> float:
+    """Median pure-decode step of the engine alone at ``batch`` requests."""
     core = llm._core
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts(batch, 64, 1), params, use_tqdm=False)  # warm-up
-    medians = []
-    for rep in range(reps):
-        core.stats.clear()
-        llm.generate(prompts(batch, 64, 2 + rep), params, use_tqdm=False)
-        steps = [s.total_s for s in core.stats if s.decode_tokens == batch and not s.prefill_tokens]
-        medians.append(statistics.median(steps))
-    return statistics.median(medians)
+    core.stats.clear()
+    llm.generate(prompts(batch, 64, seed), params, use_tqdm=False)
+    return statistics.median(
+        s.total_s for s in core.stats if s.decode_tokens == batch and not s.prefill_tokens
+    )
 
 
-def server_tpot_s(server: ServerProcess, batch: int, seed: int, reps: int) -> dict[str, float]:
-    """Medians over ``reps`` batches of: the decode unit's step at this batch (its rank loop
-    included, ``GET /calibration/steps``), the API server's mean time per output token (its own
-    histogram: when tokens reach it, before the client parses them) and the client's."""
-    unit, api, client = [], [], []
-    for rep in range(reps):
-        requests = [b.BenchRequest(0.0, p, 64) for p in prompts(batch, 64, seed + 100 * rep)]
-        before = api_tpot_totals(server.url)
-        seen = decode_steps(server.url)
-        results, _ = asyncio.run(b.replay(server.url, requests))
-        after = api_tpot_totals(server.url)
-        steps = [s for s in decode_steps(server.url) if s["step"] > max(seen, default=-1)]
-        unit.append(statistics.median(s["seconds"] for s in steps if s["tokens"] == batch))
-        api.append((after[0] - before[0]) / (after[1] - before[1]))
-        client.append(statistics.median(r.tpot_s for r in results if r.tpot_s is not None))
-    return {k: statistics.median(v) for k, v in (("unit", unit), ("api", api), ("client", client))}
+def server_tpot_s(server: ServerProcess, batch: int, seed: int) -> dict[str, float]:
+    """One batch through the server: the decode unit's median step at the full batch (its rank
+    loop included, ``GET /calibration/steps``), the client's time per token while the whole batch
+    decodes (:func:`steady_tpot_s`) and the client's median TPOT over whole requests."""
+    requests = [b.BenchRequest(0.0, p, 64) for p in prompts(batch, 64, seed)]
+    seen = max((s["step"] for s in decode_steps(server.url)), default=-1)
+    results, _ = asyncio.run(b.replay(server.url, requests))
+    steps = [s for s in decode_steps(server.url) if s["step"] > seen]
+    return {
+        "unit": statistics.median(s["seconds"] for s in steps if s["tokens"] == batch),
+        "steady": steady_tpot_s(results),
+        "whole": statistics.median(r.tpot_s for r in results if r.tpot_s is not None),
+    }
 
 
-def api_tpot_totals(url: str) -> tuple[float, float]:
-    name = "moeinfra:time_per_output_token_seconds"
-    return metric(url, f"{name}_sum"), metric(url, f"{name}_count")
+def steady_tpot_s(results: list[b.BenchResult]) -> float:
+    """Median over requests of the seconds per token they received while every request of the
+    batch was decoding: after the last first token, up to the first request's last token (the
+    engine-alone figure is the same: a decode step at the full batch, no prefill beside it)."""
+    firsts = [r.arrival_s + r.ttft_s for r in results]
+    times = [f + np.cumsum(r.itl_s) for f, r in zip(firsts, results, strict=True)]
+    start, end = max(firsts), min(t[-1] for t in times)
+    per_token = []
+    for t in times:
+        inside = t[(t > start) & (t <= end)]
+        if inside.size >= 2:
+            per_token.append((inside[-1] - inside[0]) / (inside.size - 1))
+    return statistics.median(per_token)
 
 
 def decode_steps(url: str) -> list[dict]:
@@ -107,18 +113,30 @@ def main() -> None:
 
     print(
         "| requests in the batch | engine step (ms) | unit step in the server (ms) | "
-        "API TPOT (ms) | overhead at the API | client TPOT (ms) | overhead at the client |"
+        "server, whole batch decoding (ms) | overhead | server TPOT, whole requests (ms) | "
+        "overhead |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    engine = {batch: engine_step_s(batch, REPS) for batch in batches}
+    torch.set_num_threads(1)  # as each unit rank runs
+    llm = LLM(default_model(), ranks=1, enable_prefix_caching=False, **ENGINE)
     with ServerProcess([*ONE_RANK, *FLAGS]) as server:
-        server_tpot_s(server, 2, 99, 1)  # warm-up
+        engine_step_s(llm, 2, 1)  # warm-ups
+        server_tpot_s(server, 2, 99)
         for batch in batches:
-            t = server_tpot_s(server, batch, 3 + batch, REPS)
-            e = engine[batch]
+            # engine and server in turns, so that the shared machine's slow spells hit both
+            engine, server_t = [], []
+            for rep in range(REPS):
+                engine.append(engine_step_s(llm, batch, 2 + 100 * rep))
+                server_t.append(server_tpot_s(server, batch, 3 + batch + 100 * rep))
+            e = statistics.median(engine)
+            t = {k: statistics.median(r[k] for r in server_t) for k in server_t[0]}
+            ratio = {
+                k: statistics.median(r[k] / x for r, x in zip(server_t, engine, strict=True))
+                for k in ("steady", "whole")
+            }
             print(
-                f"| {batch} | {e * 1e3:.2f} | {t['unit'] * 1e3:.2f} | {t['api'] * 1e3:.2f} | "
-                f"{t['api'] / e - 1:+.0%} | {t['client'] * 1e3:.2f} | {t['client'] / e - 1:+.0%} |"
+                f"| {batch} | {e * 1e3:.2f} | {t['unit'] * 1e3:.2f} | {t['steady'] * 1e3:.2f} | "
+                f"{ratio['steady'] - 1:+.0%} | {t['whole'] * 1e3:.2f} | {ratio['whole'] - 1:+.0%} |"
             )
         sent = metric(server.url, "moeinfra:kv_transfer_sent_bytes")
         prompt_tokens = metric(server.url, "moeinfra:prompt_tokens_total")
