@@ -17,6 +17,8 @@ import pytest
         (["serve", "unit", "--server", "tcp://h:1", "--role", "judge"], "--role='judge'"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
+        (["serve", "up", "--unit-timeout", "0.5"], "--unit-timeout=0.5"),
+        (["serve", "up", "--drain-timeout", "-1"], "--drain-timeout=-1.0"),
         (["serve", "calibrate"], "exactly one of --url"),
         (
             ["serve", "calibrate", "--url", "http://x", "--measurements", "m"],

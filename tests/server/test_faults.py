@@ -143,3 +143,24 @@ def test_a_drained_unit_saying_goodbye_is_not_a_loss():
     router.drain("p0")
     router._on_message(b"p0/0", ("bye", 0))
     assert not router.units["p0"].alive and not any("stopped" in n for n in router.notes)
+
+
+def test_a_unit_silent_past_the_unit_timeout_is_lost_and_a_reporting_one_is_kept():
+    import asyncio as aio
+    import time
+
+    async def scenario():
+        router = fake_router({"quiet": ("decode", 0.0), "talking": ("decode", 0.0)})
+        router.unit_timeout_s = 1.0
+        now = time.monotonic()
+        router.units["quiet"].last_seen = now - 1.5
+        router.units["talking"].last_seen = now - 0.5
+        watch = aio.create_task(router._watch_loop())
+        await aio.sleep(0.3)
+        watch.cancel()
+        return router
+
+    router = aio.run(scenario())
+    assert router.units["talking"].ready and router.units["talking"].alive
+    assert not router.units["quiet"].alive
+    assert any("quiet" in n and "stopped reporting" in n for n in router.notes)

@@ -89,6 +89,12 @@ def register(app: typer.Typer) -> None:
         drain_timeout: float = typer.Option(
             30.0, "--drain-timeout", help="Seconds running requests get to finish on shutdown."
         ),
+        unit_timeout: float = typer.Option(
+            10.0,
+            "--unit-timeout",
+            help="Seconds a unit's ranks may stay silent (no report; a step longer than this "
+            "counts too) before the unit is taken as lost and its requests retried or failed.",
+        ),
         num_kv_blocks: int = _BLOCKS,
         block_size: int = _BLOCK,
         max_num_seqs: int = _SEQS,
@@ -158,6 +164,7 @@ def register(app: typer.Typer) -> None:
             max_queue=max_queue,
             max_model_len=max_model_len,
             drain_timeout_s=drain_timeout,
+            unit_timeout_s=unit_timeout,
             comm_delay_s=comm_delay,
             noop_model=noop_model,
             autoscale=policy,

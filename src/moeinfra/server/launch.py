@@ -70,6 +70,10 @@ class ServeOptions:
             )
         if self.max_queue < 0:
             raise InputError(f"--max-queue={self.max_queue} must be >= 0")
+        if not self.unit_timeout_s >= 1.0:  # ranks report every 0.25 s and after every step
+            raise InputError(f"--unit-timeout={self.unit_timeout_s} must be >= 1 second")
+        if not self.drain_timeout_s >= 0:
+            raise InputError(f"--drain-timeout={self.drain_timeout_s} must be >= 0")
         if self.autoscale is not None:
             for role in ("prefill", "decode"):
                 low, high = self.autoscale.bounds(role)
