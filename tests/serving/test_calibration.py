@@ -205,10 +205,36 @@ def test_the_decode_interrupt_is_fitted_from_interrupted_decode_steps():
 def test_a_file_without_contention_factors_reads_as_none(tmp_path):
     cal = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
     data = cal.to_dict()
-    for name in ("decode_contention", "prefill_contention", "decode_interrupt_s"):
+    for name in (
+        "decode_contention",
+        "prefill_contention",
+        "decode_interrupt_s",
+        "prompt_overhead_s",
+    ):
         del data["factors"][name]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
     back = load_calibration(str(path))
     assert back.factors["decode_contention"] == back.factors["prefill_contention"] == 0.0
     np.testing.assert_allclose(back.predict(back.fit_points), cal.predict(cal.fit_points))
+
+
+def test_the_prompt_overhead_is_fitted_from_steps_finishing_several_prompts():
+    """Each prompt a prefill step finishes costs prompt_overhead_s beyond its LM-head row."""
+    truth = TRUE | {"prompt_overhead_s": 0.005}
+    points = [
+        replace(p, seconds=1.0, sampled=float(k))
+        for p in measured_points(noise=0.0)
+        if p.phase == "prefill"
+        for k in (1, 2, 4)
+    ] + [p for p in measured_points(noise=0.0) if p.phase == "decode"]
+    with_it = predict_seconds(points[:3], H800, DEEPSEEK_V3, efficiency_with(truth))
+    without = predict_seconds(points[:3], H800, DEEPSEEK_V3, efficiency_with(TRUE))
+    np.testing.assert_allclose(with_it - without, [0.005, 0.010, 0.020])  # by hand: k x 5 ms
+    seconds = predict_seconds(points, H800, DEEPSEEK_V3, efficiency_with(truth))
+    measured = [replace(p, seconds=float(s)) for p, s in zip(points, seconds, strict=True)]
+    cal = fit_calibration("t", "synthetic", measured, H800, DEEPSEEK_V3)
+    assert cal.factors["prompt_overhead_s"] == pytest.approx(0.005, rel=0.05)
+    # one prompt per 4,096 tokens everywhere: a per-prompt cost is a per-token cost, not fitted
+    plain = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
+    assert "prompt_overhead_s" not in plain.fitted and plain.factors["prompt_overhead_s"] == 0

@@ -33,7 +33,14 @@ FORMAT_VERSION = 1
 MULTIPLIERS = ("gemm_time", "attention_time", "comm_time")
 CONTENTION = {"prefill": "prefill_contention", "decode": "decode_contention"}
 INTERRUPT = "decode_interrupt_s"
-FACTORS = (*MULTIPLIERS, "comm_launch_s", "step_overhead_s", *CONTENTION.values(), INTERRUPT)
+FACTORS = (
+    *MULTIPLIERS,
+    "comm_launch_s",
+    "step_overhead_s",
+    "prompt_overhead_s",
+    *CONTENTION.values(),
+    INTERRUPT,
+)
 #: Measured directly rather than fitted: a live server's time outside its units per request.
 MEASURED = ("request_overhead_s",)
 BOUNDS = {
@@ -42,12 +49,14 @@ BOUNDS = {
     "comm_time": (1e-3, 1e5),
     "comm_launch_s": (0.0, 1.0),
     "step_overhead_s": (0.0, 10.0),
+    "prompt_overhead_s": (0.0, 1.0),
     "prefill_contention": (0.0, 4.0),
     "decode_contention": (0.0, 4.0),
     INTERRUPT: (0.0, 1.0),
 }
-#: Optional in a file (0 when absent: calibrations of units with their own GPUs).
-HOST_SHARING = frozenset({*CONTENTION.values(), INTERRUPT})
+#: Optional in a file (0 when absent: files written before these factors existed; for host
+#: sharing, calibrations of units with their own GPUs).
+OPTIONAL = frozenset({*CONTENTION.values(), INTERRUPT, "prompt_overhead_s"})
 #: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
 #: count (a CPU host: no tensor-core tile effects).
 GEMM_TABLES = ("deepgemm-h800", "flat")
@@ -211,8 +220,8 @@ class Calibration:
                     f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
                 )
             point_keys = StepPoint.__dataclass_fields__
-            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in HOST_SHARING}
-            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(HOST_SHARING)}
+            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in OPTIONAL}
+            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(OPTIONAL)}
             factors |= {k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]}
             gemm_table = data.get("gemm_table", "deepgemm-h800")
             if gemm_table not in GEMM_TABLES:
@@ -329,7 +338,8 @@ def fit_calibration(
     """Fit ``free`` factors to ``points`` (every ``hold_out_every``-th point, ordered by phase and
     size, is held out for validation; 0 holds none out); the others keep their defaults.
     A phase's contention factor is fitted only when some of its points are contended, the decode
-    interrupt only when some decode points were interrupted (else 0)."""
+    interrupt only when some decode points were interrupted, the prompt overhead only when the
+    prefill points' prompts per token vary by 1.5x or more (else 0)."""
     from scipy.optimize import least_squares
 
     unknown = [f for f in free if f not in FACTORS]
@@ -340,6 +350,10 @@ def fit_calibration(
             free = tuple(f for f in free if f != factor)
     if not any(p.interrupts > 0 for p in points):
         free = tuple(f for f in free if f != INTERRUPT)
+    # a cost per prompt is told apart from a cost per token only if prompts per token vary
+    per_token = [p.sampled / p.tokens for p in points if p.phase == "prefill" and p.sampled > 0]
+    if not per_token or max(per_token) < 1.5 * min(per_token):
+        free = tuple(f for f in free if f != "prompt_overhead_s")
     ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys, p.contended, p.interrupts))
     k = hold_out_every
     held = ordered[k - 1 :: k] if k else []

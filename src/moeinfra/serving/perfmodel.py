@@ -108,6 +108,9 @@ class Efficiency:
         another unit computes on the same host's cores, ``t * (1 + c * overlap)`` (a live
         calibration of units sharing one CPU host; a decode step, a chain of small all-to-alls,
         waits on every descheduled peer); 0 for units that have their own GPUs.
+    prompt_overhead_s: host seconds per prompt finishing in a prefill step, beyond its LM-head row
+        (first-token sampling and detokenisation, packing its KV for the hand-off); 0 in the
+        first-principles model, fitted by a live calibration.
     decode_interrupt_s: seconds a decode unit on the same host loses each time a prefill step
         starts or ends (the prefill unit's host work around its step: scheduling, hand-off,
         detokenisation); 0 for units that have their own GPUs.
@@ -145,6 +148,7 @@ class Efficiency:
     prefill_contention: float = 0.0
     decode_contention: float = 0.0
     decode_interrupt_s: float = 0.0
+    prompt_overhead_s: float = 0.0
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))
@@ -509,5 +513,7 @@ class PerfModel:
         layer = np.where(is_moe, moe_layer, compute)
         head = float(self._gemm(2 * head_tokens * m.hidden * m.vocab, m.hidden * m.vocab))
         overhead = self.eff.step_overhead_s
+        if phase == "prefill":
+            overhead += self.eff.prompt_overhead_s * head_tokens
         step = float(layer.sum()) + head + overhead
         return LayerBreakdown(phase, parts, compute, comm, layer, head, overhead, step, float(n))
