@@ -29,10 +29,15 @@ MODES = ("none", "prefill", "decode")
 
 
 def bench_world(
-    world: int, delay_s: float, reps: int, tokens: int, layers: int, seq_len: int
+    world: int, delay_s: float, reps: int, tokens: int, layers: int, seq_len: int, intermediate: int
 ) -> list[dict]:
     run = RunConfig(
-        world_size=world, tokens=tokens, seq_len=seq_len, layers=layers, redundant=world
+        world_size=world,
+        tokens=tokens,
+        seq_len=seq_len,
+        layers=layers,
+        redundant=world,
+        overrides=(("moe_intermediate_size", intermediate),),
     )
     delays = (0.0, delay_s)
     ranks = launch(world, measure_rank, (run, MODES, delays, reps), timeout_s=900)
@@ -83,7 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
         for r in bench_world(
-            world, args.delay_ms / 1e3, args.reps, args.tokens, args.layers, args.seq_len
+            world,
+            args.delay_ms / 1e3,
+            args.reps,
+            args.tokens,
+            args.layers,
+            args.seq_len,
+            args.intermediate,
         ):
             print(
                 f"| {r['world']} | {r['mode']} | {r['t0_ms']:.1f} | {r['t_ms']:.1f} | "

@@ -64,22 +64,32 @@ def test_bad_configs_rejected(changes, message):
         preset("big")
 
 
-def _route_by_hand(logits, bias, top_k, groups, groups_per_token, scale):
-    """The routing rule written out token by token."""
-    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+def _route_by_hand(logits, bias, top_k, groups, groups_per_token, scale, scoring="sigmoid"):
+    """The rules of DeepSeek-V3's reference gate (``inference/model.py``, ``Gate.forward``)
+    written out token by token: sigmoid or softmax scores; with a bias, groups ranked by the sum
+    of their two best biased scores, without one by their best score; the top-k biased scores
+    inside the kept groups; weights the unbiased scores, normalised (sum + 1e-20, as transformers)
+    only with sigmoid scoring, times the scale."""
+    x = logits.astype(np.float64)
+    if scoring == "sigmoid":
+        scores = 1 / (1 + np.exp(-x))
+    else:
+        scores = np.exp(x - x.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
     n, e = scores.shape
     per_group = e // groups
     weights, indices = [], []
     for t in range(n):
-        biased = scores[t] + bias
-        group_score = [
-            sum(sorted(biased[g * per_group : (g + 1) * per_group])[-2:]) for g in range(groups)
-        ]
+        biased = scores[t] + (0.0 if bias is None else bias)
+        members = [sorted(biased[g * per_group : (g + 1) * per_group]) for g in range(groups)]
+        group_score = [m[-1] if bias is None else sum(m[-2:]) for m in members]
         keep = sorted(range(groups), key=lambda g: -group_score[g])[:groups_per_token]
         allowed = [i for i in range(e) if i // per_group in keep]
         chosen = sorted(allowed, key=lambda i: -biased[i])[:top_k]
         w = np.array([scores[t, i] for i in chosen])
-        weights.append(w / w.sum() * scale)
+        if scoring == "sigmoid":
+            w = w / (w.sum() + 1e-20)
+        weights.append(w * scale)
         indices.append(chosen)
     return np.array(weights), np.array(indices)
 
@@ -88,25 +98,50 @@ def _route_by_hand(logits, bias, top_k, groups, groups_per_token, scale):
 @given(
     seed=st.integers(0, 10_000),
     groups_cfg=st.sampled_from([(8, 4, 8, 64), (4, 2, 4, 16), (1, 1, 3, 10), (8, 8, 6, 32)]),
-    bias_scale=st.sampled_from([0.0, 0.1, 2.0]),
+    bias_scale=st.sampled_from([None, 0.0, 0.1, 2.0]),
+    scoring=st.sampled_from(["sigmoid", "softmax"]),
 )
-def test_gate_matches_reimplementation(seed, groups_cfg, bias_scale):
+def test_gate_matches_the_reference_rules_in_every_mode(seed, groups_cfg, bias_scale, scoring):
     groups, per_token, top_k, experts = groups_cfg
     rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(7, experts)).astype(np.float32)
-    bias = (rng.normal(size=experts) * bias_scale).astype(np.float32)
+    logits = (rng.normal(size=(7, experts)) * 3).astype(np.float32)
+    bias = None if bias_scale is None else (rng.normal(size=experts) * bias_scale)
     w, i = route(
         torch.from_numpy(logits),
-        torch.from_numpy(bias),
+        None if bias is None else torch.from_numpy(bias.astype(np.float32)),
         top_k=top_k,
         num_groups=groups,
         groups_per_token=per_token,
         scaling_factor=2.5,
+        scoring=scoring,
     )
-    w_ref, i_ref = _route_by_hand(logits, bias.astype(np.float64), top_k, groups, per_token, 2.5)
+    ref_bias = None if bias is None else bias.astype(np.float32).astype(np.float64)
+    w_ref, i_ref = _route_by_hand(logits, ref_bias, top_k, groups, per_token, 2.5, scoring)
     assert np.array_equal(i.numpy(), i_ref)
     np.testing.assert_allclose(w.numpy(), w_ref, rtol=1e-5)
-    np.testing.assert_allclose(w.sum(-1).numpy(), 2.5, rtol=1e-5)
+    if scoring == "sigmoid":
+        np.testing.assert_allclose(w.sum(-1).numpy(), 2.5, rtol=1e-5)
+    else:  # softmax weights are not normalised: less than the scale whenever top_k < experts
+        assert (w.sum(-1).numpy() < 2.5).all()
+
+
+def test_without_bias_groups_rank_by_their_best_score():
+    """DeepSeek's reference without a bias: a group with one strong expert beats a group of two
+    good ones (with a bias, the sum of the two best decides the other way)."""
+    logits = torch.full((1, 8), -5.0)
+    logits[0, 0] = 5.0  # group 0: one strong expert
+    logits[0, 2:4] = 2.0  # group 1: two good ones (their sum 1.76 > 0.993 + 0.007)
+    kw = dict(top_k=1, num_groups=4, groups_per_token=1, scaling_factor=1.0)
+    assert route(logits, None, **kw)[1].tolist() == [[0]]
+    assert route(logits, torch.zeros(8), **kw)[1].item() in (2, 3)
+
+
+def test_scores_that_all_underflow_give_zero_weights_not_nan():
+    logits = torch.full((2, 8), -1e4)
+    w, _ = route(
+        logits, torch.zeros(8), top_k=2, num_groups=4, groups_per_token=2, scaling_factor=2.5
+    )
+    assert torch.isfinite(w).all() and (w == 0).all()
 
 
 def test_bias_selects_but_does_not_weigh():
@@ -119,11 +154,13 @@ def test_bias_selects_but_does_not_weigh():
 
 
 def test_group_limit_excludes_other_groups():
-    # Expert 0 has the best single score, but its group's top-2 sum is the worst.
+    # Expert 0 has the best single score, but with a bias its group's top-2 sum is the worst.
     logits = torch.full((1, 8), -5.0)
     logits[0, 0] = 5.0
     logits[0, 2:8] = 2.0
-    w, i = route(logits, None, top_k=2, num_groups=4, groups_per_token=2, scaling_factor=1.0)
+    w, i = route(
+        logits, torch.zeros(8), top_k=2, num_groups=4, groups_per_token=2, scaling_factor=1.0
+    )
     assert 0 not in i[0].tolist()
 
 

@@ -23,7 +23,8 @@ class MoEConfig:
         groups_per_token: at most this many groups are used by one token (group-limited routing).
         routed_scaling_factor: routed weights are multiplied by this after normalisation.
         scoring: ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"`` (DeepSeek-V2).
-        norm_topk_prob: normalise the top-k weights to sum to 1 before scaling.
+        norm_topk_prob: normalise the top-k weights to sum to 1 before scaling (None: as DeepSeek's
+            reference gate, with sigmoid scoring only).
         num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
         v_head_dim: MLA sizes (low-rank q and kv compression, decoupled RoPE dims).
         num_layers: decoder blocks in the small model used by the overlap schedules.
@@ -41,7 +42,7 @@ class MoEConfig:
     groups_per_token: int
     routed_scaling_factor: float
     scoring: str = "sigmoid"
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool | None = None
     num_attention_heads: int = 128
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512

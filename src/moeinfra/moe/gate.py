@@ -18,15 +18,19 @@ def route(
     groups_per_token: int,
     scaling_factor: float,
     scoring: str = "sigmoid",
-    normalize: bool = True,
+    normalize: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick ``top_k`` experts per token and their weights.
+    """Pick ``top_k`` experts per token and their weights, by the rules of DeepSeek-V3's reference
+    gate (``inference/model.py``).
 
     Scores are ``sigmoid(logits)`` (or softmax). The per-expert ``bias`` is added for *selection
-    only* (auxiliary-loss-free balancing): groups are ranked by the sum of their two best biased
-    scores, the best ``groups_per_token`` groups are kept, and the ``top_k`` best biased scores inside
-    them are chosen. Weights are the *unbiased* scores of the chosen experts, normalised to sum to 1
-    (when ``normalize``) and multiplied by ``scaling_factor``.
+    only* (auxiliary-loss-free balancing). Groups are ranked by the sum of their two best biased
+    scores, or by their best score when there is no bias (DeepSeek-V2's rule); the best
+    ``groups_per_token`` groups are kept, and the ``top_k`` best biased scores inside them are
+    chosen. Weights are the *unbiased* scores of the chosen experts, normalised to sum to 1 when
+    ``normalize`` (default: with sigmoid scores only, as the reference; ``transformers``' config
+    sets it with ``norm_topk_prob``; 1e-20 is added to the sum, as ``transformers`` does, so that
+    scores that all underflow give weights of 0, not NaN) and multiplied by ``scaling_factor``.
 
     Args:
         logits: ``[T, E]`` gate logits. bias: ``[E]`` or None.
@@ -47,15 +51,18 @@ def route(
         scores = scores + bias
     if num_groups > 1:
         grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        if bias is None:
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
         best = group_scores.topk(groups_per_token, dim=-1)[1]
         drop = torch.ones(num_tokens, num_groups, dtype=torch.bool, device=logits.device)
         drop.scatter_(1, best, False)
         scores = grouped.masked_fill(drop.unsqueeze(-1), float("-inf")).flatten(1)
     indices = scores.topk(top_k, dim=-1)[1]
     weights = original.gather(1, indices)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scoring == "sigmoid" if normalize is None else normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling_factor, indices
 
 
