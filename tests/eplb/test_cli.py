@@ -140,3 +140,15 @@ def test_bench_runs_small(tmp_path):
     assert {row["deployment"] for row in rows} == {"prefill", "decode"}
     assert all(row["default_max_over_mean"] <= row["deepseek_max_over_mean"] + 1e-9 for row in rows)
     assert markdown_table(rows).count("\n") == len(rows) + 1
+
+
+def test_eval_of_a_corrupt_plan_is_one_line_and_exit_2(tmp_path):
+    load = tmp_path / "load.npy"
+    np.save(load, EXAMPLE_WEIGHT)
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    for plan in (str(load), str(tmp_path / "list.json")):  # a load file, a JSON list
+        result = cli("eval", "--plan", plan, "--load", str(load))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert (
+            len(result.stderr.strip().splitlines()) == 1 and "not a moeinfra plan" in result.stderr
+        )

@@ -1,7 +1,10 @@
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
-from moeinfra.eplb import evaluate, migration, rebalance
+from moeinfra.eplb import Plan, evaluate, migration, rebalance
 from moeinfra.eplb.inputs import check_layout
 from moeinfra.eplb.plan import make_plan
 from moeinfra.eplb.synthetic import perturb
@@ -78,3 +81,76 @@ def test_plan_save_load_round_trip(tmp_path):
     with pytest.raises(ValueError, match="is not a moeinfra plan"):
         type(plan).load(tmp_path / "bad.npz")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "plan.json", "plan.npz"]
+
+
+def _corruptions(plan):
+    """(description, arrays as ``Plan.save`` writes them, altered) of plans a file may hold."""
+    base = {k: v.tolist() for k, v in plan.to_arrays().items()}
+    out_of_range = json.loads(json.dumps(base))
+    out_of_range["phy2log"][0][0] = 99
+    truncated = json.loads(json.dumps(base))
+    truncated["phy2log"] = [row[:-1] for row in truncated["phy2log"]]
+    unplaced = json.loads(json.dumps(base))  # expert 0's only slot now holds expert 1
+    row = unplaced["phy2log"][0]
+    row[row.index(0)] = 1
+    miscounted = json.loads(json.dumps(base))
+    miscounted["logcnt"][0][0] += 1
+    stale = json.loads(json.dumps(base))  # two experts' slot lists swapped
+    stale["log2phy"][0][0], stale["log2phy"][0][1] = stale["log2phy"][0][1], stale["log2phy"][0][0]
+    return [
+        ("expert ids", out_of_range),
+        ("phy2log has shape", truncated),
+        ("has no slot", unplaced),
+        ("logcnt", miscounted),
+        ("log2phy", stale),
+    ]
+
+
+def test_a_plan_file_that_is_not_a_consistent_plan_is_refused(tmp_path):
+    """Plan.load checks what it reads: shapes, expert ids in range, every expert placed, logcnt
+    and log2phy derived from phy2log (before, such files gave tracebacks or wrong figures)."""
+    plan = rebalance(np.arange(24, dtype=float).reshape(2, 12) + 1, 16, 4, 2, 8)
+    for message, arrays in _corruptions(plan):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(arrays))
+        with pytest.raises(ValueError, match=message):
+            Plan.load(path)
+    (tmp_path / "list.json").write_text(json.dumps([[1, 2], [3, 4]]))
+    with pytest.raises(ValueError, match="JSON list"):
+        Plan.load(tmp_path / "list.json")
+    np.save(tmp_path / "load.npy", np.ones((2, 12)))
+    with pytest.raises(ValueError, match="not a moeinfra plan"):
+        Plan.load(tmp_path / "load.npy")
+    (tmp_path / "load.json").write_text(json.dumps({"counts": [[1.0] * 12] * 2}))
+    with pytest.raises(ValueError, match="a load file"):
+        Plan.load(tmp_path / "load.json")
+
+
+def test_a_corrupt_previous_plan_is_refused_not_migrated():
+    plan = rebalance(np.ones((2, 12)), 16, 4, 2, 8)
+    phy2log = plan.phy2log.copy()
+    phy2log[0][phy2log[0] == 0] = 1  # expert 0 loses its slots
+    corrupt = dataclasses.replace(plan, phy2log=phy2log)
+    with pytest.raises(ValueError, match="previous plan: .*expert 0 has no slot"):
+        rebalance(np.ones((2, 12)), 16, 4, 2, 8, previous=corrupt)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tolerance": float("nan")}, "tolerance=nan"),
+        ({"min_gain": float("inf")}, "min_gain=inf"),
+        ({"traffic_weight": float("nan")}, "traffic_weight=nan"),
+        ({"max_moves": 2.5}, "max_moves=2.5"),
+    ],
+)
+def test_non_finite_or_fractional_options_are_refused(kwargs, message):
+    before = rebalance(np.ones((2, 12)), 16, 4, 2, 8)
+    with pytest.raises(ValueError, match=message):
+        rebalance(np.ones((2, 12)), 16, 4, 2, 8, previous=before, **kwargs)
+
+
+def test_loads_beyond_float32_range_are_refused():
+    with pytest.raises(ValueError, match="float32 range"):
+        rebalance(np.full((2, 12), 1e300), 16, 4, 2, 8)
+    rebalance(np.full((2, 12), 1e30), 16, 4, 2, 8)  # large but representable: fine

@@ -96,6 +96,13 @@ def to_numpy_load(weight: Any, name: str = "weight") -> np.ndarray:
         raise InputError(
             f"{name} must be >= 0 (token counts or loads); its minimum is {array.min()}"
         )
+    # placement runs in float32 as DeepSeek's does: a layer's sum must stay finite there
+    limit = float(np.finfo(np.float32).max) / array.shape[1]
+    if array.max() > limit:
+        raise InputError(
+            f"{name} must be <= {limit:.3g} (float32 range over {array.shape[1]} experts); "
+            f"its maximum is {array.max():.3g}"
+        )
     return array
 
 

@@ -94,15 +94,23 @@ class Plan:
         path = Path(path)
         if not path.exists():
             raise InputError(f"plan file {str(path)!r} does not exist")
+        where = f"plan file {str(path)!r}"
         try:
             if path.suffix == ".json":
                 raw = json.loads(path.read_text())
+                if not isinstance(raw, dict):
+                    raise ValueError(f"a JSON {type(raw).__name__}, not an object of arrays")
                 arrays = {k: np.asarray(v) for k, v in raw.items()}
             else:
                 with np.load(path, allow_pickle=False) as data:
+                    if not hasattr(data, "files"):
+                        raise ValueError("one array, not a plan's named arrays")
                     arrays = {k: data[k] for k in data.files}
-            layout = check_layout(*(int(x) for x in arrays["layout"]))
-            return cls(
+            missing = {"phy2log", "log2phy", "logcnt", "gpu_load", "layout", "policy"} - set(arrays)
+            if missing:
+                raise ValueError(f"no {', '.join(sorted(missing))} (a load file?)")
+            layout = check_layout(*(int(x) for x in np.asarray(arrays["layout"]).ravel()))
+            plan = cls(
                 phy2log=arrays["phy2log"].astype(np.int64),
                 log2phy=arrays["log2phy"].astype(np.int64),
                 logcnt=arrays["logcnt"].astype(np.int64),
@@ -111,8 +119,59 @@ class Plan:
                 policy=str(arrays["policy"]),
                 expert_load=arrays["load"].astype(np.float64) if "load" in arrays else None,
             )
-        except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
-            raise InputError(f"plan file {str(path)!r} is not a moeinfra plan: {exc}") from None
+        except (KeyError, ValueError, TypeError, OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"{where} is not a moeinfra plan: {exc}") from None
+        plan.check(where)
+        return plan
+
+    def check(self, where: str = "plan") -> None:
+        """Raise :class:`InputError` unless the arrays are a consistent plan for ``layout``:
+        shapes, expert ids in range, every expert placed, ``logcnt`` and ``log2phy`` derived from
+        ``phy2log``, finite loads."""
+        lay, p = self.layout, self.phy2log
+
+        def bad(what: str) -> InputError:
+            return InputError(f"{where}: {what}")
+
+        if p.ndim != 2 or p.shape[1] != lay.num_replicas or p.shape[0] < 1:
+            raise bad(f"phy2log has shape {p.shape}, want [layers, {lay.num_replicas}]")
+        if p.min() < 0 or p.max() >= lay.num_experts:
+            raise bad(
+                f"phy2log holds expert ids {p.min()}..{p.max()}, allowed 0..{lay.num_experts - 1}"
+            )
+        counts = count_replicas(p, lay.num_experts)
+        if (counts == 0).any():
+            layer, expert = np.argwhere(counts == 0)[0]
+            raise bad(f"expert {expert} has no slot in layer {layer}")
+        if self.logcnt.shape != counts.shape or (self.logcnt != counts).any():
+            raise bad("logcnt does not count phy2log's replicas")
+        width = self.log2phy.shape[-1] if self.log2phy.ndim == 3 else 0
+        if self.log2phy.shape[:2] != counts.shape or width < counts.max():
+            raise bad(
+                f"log2phy has shape {self.log2phy.shape}, want [{p.shape[0]}, "
+                f"{lay.num_experts}, >= {counts.max()}]"
+            )
+        listed = np.arange(width) < counts[..., None]
+        slots = np.where(listed, self.log2phy, 0)
+        # each layer lists every slot exactly once, under the expert that slot holds
+        ok = (self.log2phy[~listed] == -1).all() and all(
+            np.array_equal(np.sort(slots[layer][listed[layer]]), np.arange(lay.num_replicas))
+            for layer in range(p.shape[0])
+        )
+        if ok:
+            owner = np.take_along_axis(p, slots.reshape(p.shape[0], -1), 1).reshape(slots.shape)
+            ok = bool((owner == np.arange(lay.num_experts)[None, :, None])[listed].all())
+        if not ok:
+            raise bad("log2phy does not list each expert's slots of phy2log (padded with -1)")
+        if (
+            self.gpu_load.shape != (p.shape[0], lay.num_gpus)
+            or not np.isfinite(self.gpu_load).all()
+        ):
+            raise bad(f"gpu_load must be finite, shape [{p.shape[0]}, {lay.num_gpus}]")
+        if self.expert_load is not None and (
+            self.expert_load.shape != counts.shape or not np.isfinite(self.expert_load).all()
+        ):
+            raise bad(f"load must be finite, shape [{p.shape[0]}, {lay.num_experts}]")
 
 
 def replica_load(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ apply only swaps that lower the heaviest GPU by more than ``min_gain`` of its lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -380,12 +381,24 @@ def rebalance(
             f"policy='hierarchical' needs num_groups % num_nodes == 0; got num_groups={num_groups}, "
             f"num_nodes={num_nodes}"
         )
-    if max_moves is not None and (max_moves < 0 or previous is None):
-        raise InputError(f"max_moves={max_moves} must be >= 0 and needs a previous plan")
-    if tolerance < 0 or min_gain < 0 or traffic_weight < 0:
+    if max_moves is not None and (
+        isinstance(max_moves, bool)
+        or not isinstance(max_moves, int | np.integer)
+        or max_moves < 0
+        or previous is None
+    ):
         raise InputError(
-            f"tolerance={tolerance}, min_gain={min_gain} and traffic_weight={traffic_weight} must be >= 0"
+            f"max_moves={max_moves!r} must be a whole number >= 0 and needs a previous plan"
         )
+    for name, value in (
+        ("tolerance", tolerance),
+        ("min_gain", min_gain),
+        ("traffic_weight", traffic_weight),
+    ):
+        if not (isinstance(value, int | float | np.number) and math.isfinite(value) and value >= 0):
+            raise InputError(f"{name}={value!r} must be a finite number >= 0")
+    if previous is not None:
+        previous.check("previous plan")
     groups_per_token = groups_per_token or min(4, lay.num_groups)
     if not 1 <= groups_per_token <= lay.num_groups:
         raise InputError(
