@@ -11,7 +11,14 @@ def test_published_readme_example_exact():
     phy2log, log2phy, logcnt = rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8)
     np.testing.assert_array_equal(phy2log, EXAMPLE_PHY2LOG)
     assert phy2log.dtype == log2phy.dtype == logcnt.dtype == np.int64
-    assert log2phy.shape == (2, 12, 16 - 12 + 1)
+    # as DeepSeek's release: as wide as the most replicas any expert got (logcnt.max() = 2 here)
+    assert log2phy.shape == (2, 12, int(logcnt.max())) == (2, 12, 2)
+    _, wide, _ = rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8, log2phy_width="max")
+    assert wide.shape == (2, 12, 16 - 12 + 1)  # vLLM's width
+    np.testing.assert_array_equal(wide[..., :2], log2phy)
+    assert (wide[..., 2:] == -1).all()
+    with pytest.raises(ValueError, match="log2phy_width='x'"):
+        rebalance_experts(EXAMPLE_WEIGHT, 16, 4, 2, 8, log2phy_width="x")
     np.testing.assert_array_equal(logcnt.sum(axis=1), [16, 16])
 
 

@@ -100,7 +100,7 @@ def test_torch_load_accepted():
     [
         ({"policy": "best"}, "policy='best' is not one of"),
         ({"max_moves": 4}, "needs a previous plan"),
-        ({"tolerance": -1.0}, "must be >= 0"),
+        ({"tolerance": -1.0}, "tolerance=-1.0 must be a finite number >= 0"),
         ({"groups_per_token": 9}, "groups_per_token=9"),
     ],
 )

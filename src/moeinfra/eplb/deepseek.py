@@ -14,6 +14,7 @@ import numpy as np
 
 from moeinfra.eplb.inputs import check_layout, like_input, to_numpy_load
 from moeinfra.eplb.packing import descending_order, pack_rows, sift_down
+from moeinfra.errors import InputError
 
 
 def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,10 +155,13 @@ def rebalance_hierarchical(
     return pphy2log, pphyrank, logcnt
 
 
-def build_log2phy(phy2log: np.ndarray, phyrank: np.ndarray, num_logical: int) -> np.ndarray:
-    """``[L, E, R - E + 1]`` physical slots of each logical expert, ordered by replica rank, padded with -1."""
+def build_log2phy(
+    phy2log: np.ndarray, phyrank: np.ndarray, num_logical: int, width: int | None = None
+) -> np.ndarray:
+    """``[L, E, width]`` physical slots of each logical expert, ordered by replica rank, padded with
+    -1 (``width`` default ``R - E + 1``, the most replicas an expert can have)."""
     num_layers, num_replicas = phy2log.shape
-    max_replicas = num_replicas - num_logical + 1
+    max_replicas = num_replicas - num_logical + 1 if width is None else width
     log2phy = np.full((num_layers, num_logical * max_replicas), -1, dtype=np.int64)
     np.put_along_axis(
         log2phy,
@@ -183,8 +187,17 @@ def deepseek_arrays(
     return phy2log, phyrank, logcnt, hierarchical
 
 
+LOG2PHY_WIDTHS = ("deepseek", "max")
+
+
 def rebalance_experts(
-    weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: Any,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    log2phy_width: str = "deepseek",
 ) -> tuple[Any, Any, Any]:
     """DeepSeek's EPLB entry point, same contract as its release.
 
@@ -194,15 +207,21 @@ def rebalance_experts(
         weight: ``[layers, num_logical_experts]`` load statistics (numpy array or torch tensor).
         num_replicas: physical experts, a multiple of ``num_gpus``.
         num_groups: expert groups. num_nodes: server nodes. num_gpus: GPUs, a multiple of ``num_nodes``.
+        log2phy_width: ``"deepseek"`` (default, as DeepSeek's release: ``logcnt.max()``, the most
+            replicas any expert got) or ``"max"`` (``num_replicas - num_logical_experts + 1``, the
+            most any expert could get, a width fixed by the layout, as vLLM's ``log2phy``).
     Returns:
-        ``phy2log [layers, num_replicas]``, ``log2phy [layers, num_logical_experts, X]`` padded with -1
-        (``X = num_replicas - num_logical_experts + 1``), ``logcnt [layers, num_logical_experts]``;
-        int64, of the same kind (numpy or torch, same device) as ``weight``.
+        ``phy2log [layers, num_replicas]``, ``log2phy [layers, num_logical_experts, X]`` padded with -1,
+        ``logcnt [layers, num_logical_experts]``; int64, of the same kind (numpy or torch, same
+        device) as ``weight``.
     """
+    if log2phy_width not in LOG2PHY_WIDTHS:
+        raise InputError(f"log2phy_width={log2phy_width!r} is not one of {LOG2PHY_WIDTHS}")
     load = to_numpy_load(weight)
     layout = check_layout(load.shape[1], num_replicas, num_groups, num_nodes, num_gpus)
     phy2log, phyrank, logcnt, _ = deepseek_arrays(
         load, layout.num_replicas, layout.num_groups, layout.num_nodes, layout.num_gpus
     )
-    log2phy = build_log2phy(phy2log, phyrank, layout.num_experts)
+    width = int(logcnt.max()) if log2phy_width == "deepseek" else None
+    log2phy = build_log2phy(phy2log, phyrank, layout.num_experts, width)
     return like_input(phy2log, weight), like_input(log2phy, weight), like_input(logcnt, weight)
