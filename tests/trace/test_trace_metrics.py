@@ -153,3 +153,27 @@ def test_timeline_png(result, tmp_path):
     out = plot_timeline(result, tmp_path / "fig" / "t.png", window_us=(0, 20))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_timeline_of_a_two_rank_moe_trace_names_ranks_ops_and_only_drawn_classes(tmp_path):
+    """The MoE runtime writes one file for its CPU ranks (one device each): lanes are told apart
+    by device, not labelled rank 0 twice; wide ops carry their names; the legend lists only the
+    classes drawn (no memory ops here)."""
+    from moeinfra.moe.timeline import COMM_TRACK, COMPUTE_TRACK, write_chrome_trace
+    from moeinfra.trace.classify import MEMORY
+    from moeinfra.trace.timeline import plot_timeline, timeline_lanes
+
+    events = [
+        [("ATTN-0", COMPUTE_TRACK, 0.000, 0.004), ("dispatch", COMM_TRACK, 0.004, 0.006)],
+        [("ATTN-0", COMPUTE_TRACK, 0.000, 0.005), ("dispatch", COMM_TRACK, 0.005, 0.006)],
+    ]
+    report = analyze(write_chrome_trace(tmp_path / "moe.json", events))
+    lanes, labels, shown = timeline_lanes(report)
+    names = [name for name, _ in lanes]
+    assert any(n.startswith("device 0 ") for n in names)
+    assert any(n.startswith("device 1 ") for n in names)
+    assert not any("gpu" in n or n.startswith("rank 0 device") for n in names)
+    written = {str(x) for _, _, _, ops in labels for x in ops}
+    assert {"ATTN-0", "gloo:dispatch"} <= written
+    assert shown.size and MEMORY not in set(shown.tolist())  # so no "memory" in the legend
+    assert plot_timeline(report, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

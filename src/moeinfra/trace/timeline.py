@@ -37,15 +37,106 @@ def plot_timeline(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    trace, classes, attribution = result.trace, result.classes, result.attribution
+    trace = result.trace
     gpu = trace.gpu
     out_path = Path(out_path)
     origin = trace.start_ns or 0
-    slices = list(trace.device_slices().items())[:max_devices]
+    lanes, labels, shown = timeline_lanes(result, max_devices)
+    attribution = result.attribution
 
-    lanes: list[tuple[str, list[tuple[np.ndarray, np.ndarray, str]]]] = []
+    height = max(2.5, 0.45 * len(lanes) + 1.2)
+    fig, ax = plt.subplots(figsize=(14, height))
+    for y, (_, bars) in enumerate(reversed(lanes)):
+        for starts, ends, colour in bars:
+            if starts.size == 0:
+                continue
+            xs = (starts - origin) * 1e-3
+            ws = np.maximum((ends - starts) * 1e-3, 0.0)
+            ax.broken_barh(
+                np.stack([xs, ws], axis=1), (y + 0.1, 0.8), facecolors=colour, edgecolor="none"
+            )
+    if window_us is not None:
+        span_us = window_us[1] - window_us[0]
+    else:
+        span_us = (int(gpu.end_ns.max()) - origin) * 1e-3 if len(gpu) else 1.0
+    for lane, starts, ends, names in labels:
+        y = len(lanes) - 1 - lane
+        wide = (ends - starts) * 1e-3 >= 0.03 * span_us  # room for a name
+        for start, end, name in zip(starts[wide], ends[wide], names[wide], strict=True):
+            ax.text(
+                ((start + end) / 2 - origin) * 1e-3,
+                y + 0.5,
+                str(name),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+                clip_on=True,
+            )
+    ax.set_yticks(np.arange(len(lanes)) + 0.5)
+    ax.set_yticklabels([name for name, _ in reversed(lanes)])
+    ax.set_ylim(0, max(len(lanes), 1))
+    if window_us is not None:
+        ax.set_xlim(*window_us)
+    elif len(gpu):
+        ax.set_xlim(0, (int(gpu.end_ns.max()) - origin) * 1e-3)
+    ax.set_xlabel("time since first GPU op (µs)")
+    ax.set_title(title or "GPU timeline: compute vs communication")
+    drawn = {
+        COMPUTE: ("compute", CLASS_COLOURS[COMPUTE]),
+        COMM: ("communication", CLASS_COLOURS[COMM]),
+        MEMORY: ("memory", CLASS_COLOURS[MEMORY]),
+    }
+    legend = [
+        Patch(color=colour, label=label)
+        for code, (label, colour) in drawn.items()
+        if (shown == code).any()
+    ]
+    if any(name.endswith("exposed comm") for name, _ in lanes):
+        legend.append(Patch(color=EXPOSED_COLOUR, label="exposed communication"))
+    legend += [
+        Patch(color=PHASE_COLOURS.get(p, "#bab0ac"), label=f"phase {p}") for p in attribution.phases
+    ]
+    ax.legend(
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 if height < 5 else -0.06),
+        ncol=len(legend),
+        fontsize=8,
+        frameon=False,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    try:
+        with atomic_path(out_path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+Lane = tuple[str, list[tuple[np.ndarray, np.ndarray, str]]]
+
+
+def timeline_lanes(
+    result: TraceReport, max_devices: int = 4
+) -> tuple[list[Lane], list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], np.ndarray]:
+    """The lanes :func:`plot_timeline` draws, top to bottom: ``(label, [(starts, ends, colour)])``;
+    the op names to write on each stream lane ``(lane, starts, ends, names)``; and the classes of
+    the ops drawn (for the legend)."""
+    trace, classes, attribution = result.trace, result.classes, result.attribution
+    gpu = trace.gpu
+    slices = list(trace.device_slices().items())[:max_devices]
+    several_ranks = len({rank for (rank, _), _ in slices}) > 1
+    several_devices = len({device for (_, device), _ in slices}) > 1
+    op_names = gpu.op_names()
+    lanes: list[Lane] = []
+    labels: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     for (rank, device), rows in slices:
-        prefix = f"r{rank} gpu{device} " if len(slices) > 1 or rank else ""
+        # name what tells the lanes apart (one file of several CPU ranks: one device per rank)
+        prefix = (f"rank {rank} " if several_ranks or rank else "") + (
+            f"device {device} " if several_devices else ""
+        )
         s, e, c = gpu.start_ns[rows], gpu.end_ns[rows], classes[rows]
         phase = attribution.phase[rows]
         for i, name in enumerate(attribution.phases):
@@ -67,48 +158,7 @@ def plot_timeline(
                 for code, colour in CLASS_COLOURS.items()
             ]
             lanes.append((f"{prefix}stream {int(sid)}", bars))
+            labels.append((len(lanes) - 1, s[sel], e[sel], op_names[rows][sel]))
 
-    height = max(2.5, 0.45 * len(lanes) + 1.2)
-    fig, ax = plt.subplots(figsize=(14, height))
-    for y, (_, bars) in enumerate(reversed(lanes)):
-        for starts, ends, colour in bars:
-            if starts.size == 0:
-                continue
-            xs = (starts - origin) * 1e-3
-            ws = np.maximum((ends - starts) * 1e-3, 0.0)
-            ax.broken_barh(
-                np.stack([xs, ws], axis=1), (y + 0.1, 0.8), facecolors=colour, edgecolor="none"
-            )
-    ax.set_yticks(np.arange(len(lanes)) + 0.5)
-    ax.set_yticklabels([name for name, _ in reversed(lanes)])
-    ax.set_ylim(0, max(len(lanes), 1))
-    if window_us is not None:
-        ax.set_xlim(*window_us)
-    elif len(gpu):
-        ax.set_xlim(0, (int(gpu.end_ns.max()) - origin) * 1e-3)
-    ax.set_xlabel("time since first GPU op (µs)")
-    ax.set_title(title or "GPU timeline: compute vs communication")
-    legend = [
-        Patch(color=CLASS_COLOURS[COMPUTE], label="compute"),
-        Patch(color=CLASS_COLOURS[COMM], label="communication"),
-        Patch(color=CLASS_COLOURS[MEMORY], label="memory"),
-        Patch(color=EXPOSED_COLOUR, label="exposed communication"),
-    ] + [
-        Patch(color=PHASE_COLOURS.get(p, "#bab0ac"), label=f"phase {p}") for p in attribution.phases
-    ]
-    ax.legend(
-        handles=legend,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.12 if height < 5 else -0.06),
-        ncol=len(legend),
-        fontsize=8,
-        frameon=False,
-    )
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    try:
-        with atomic_path(out_path) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-    return out_path
+    shown = np.concatenate([classes[rows] for _, rows in slices]) if slices else classes[:0]
+    return lanes, labels, shown
