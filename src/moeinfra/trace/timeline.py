@@ -62,7 +62,11 @@ def plot_timeline(
     for lane, starts, ends, names in labels:
         y = len(lanes) - 1 - lane
         wide = (ends - starts) * 1e-3 >= 0.03 * span_us  # room for a name
-        for start, end, name in zip(starts[wide], ends[wide], names[wide], strict=True):
+        free_from = -np.inf  # ops overlapping in time (concurrent exchanges): name the first only
+        for start, end, name in sorted(zip(starts[wide], ends[wide], names[wide], strict=True)):
+            if start < free_from:
+                continue
+            free_from = end
             ax.text(
                 ((start + end) / 2 - origin) * 1e-3,
                 y + 0.5,
