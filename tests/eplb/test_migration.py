@@ -154,3 +154,28 @@ def test_loads_beyond_float32_range_are_refused():
     with pytest.raises(ValueError, match="float32 range"):
         rebalance(np.full((2, 12), 1e300), 16, 4, 2, 8)
     rebalance(np.full((2, 12), 1e30), 16, 4, 2, 8)  # large but representable: fine
+
+
+def _groups_off_their_node(plan, num_groups):
+    """(layer, group) pairs whose replicas sit on more than one node."""
+    lay = plan.layout
+    node = np.arange(lay.num_replicas) // (lay.num_replicas // lay.num_nodes)
+    group = plan.phy2log // (lay.num_experts // num_groups)
+    return sum(
+        np.unique(node[group[layer] == g]).size > 1
+        for layer in range(plan.num_layers)
+        for g in range(num_groups)
+    )
+
+
+@pytest.mark.parametrize("drift", [0.05, 0.3])
+def test_migrating_a_hierarchical_plan_keeps_every_group_on_its_node(v3_loads, drift):
+    """Swaps and replica shifts stay inside a node, so the plan still is what its label says
+    (before, 88-113 of 464 (layer, group) pairs spanned two nodes after one step at 5% drift)."""
+    load = v3_loads[("lognormal", 0)]
+    before = rebalance(load, **PREFILL, policy="hierarchical")
+    assert _groups_off_their_node(before, 8) == 0
+    after = rebalance(perturb(load, drift, seed=4), **PREFILL, previous=before)
+    check_plan_invariants(after, 256)
+    assert after.policy == "hierarchical" and after.metrics["moves"] > 0
+    assert _groups_off_their_node(after, 8) == 0

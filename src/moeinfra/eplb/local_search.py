@@ -274,6 +274,7 @@ def shift_replicas(
     min_gain: float,
     max_total_moves: int | None = None,
     donors: int = 8,
+    gpus_per_domain: int | None = None,
 ) -> np.ndarray:
     """Move replicas between experts (one slot changes its expert) while that lowers the heaviest GPU.
 
@@ -281,7 +282,9 @@ def shift_replicas(
     tries giving one more replica to an expert on the heaviest GPU, taken from one of the ``donors``
     experts whose load per replica stays lowest after losing one, in every slot of the donor on a GPU
     that does not hold the receiver yet; it applies the change with the lowest resulting heaviest GPU
-    if that is below the current one by more than ``min_gain`` of it. In place.
+    if that is below the current one by more than ``min_gain`` of it. With ``gpus_per_domain``
+    (GPUs per node for hierarchical plans) the new replica must land in a domain that already holds
+    the receiver, so expert groups stay on their node. In place.
 
     Args:
         phy2log: ``[L, R]`` modified in place. load: ``[L, E]``.
@@ -292,6 +295,7 @@ def shift_replicas(
     num_experts = load.shape[1]
     slots_per_gpu = num_replicas // num_gpus
     slot_gpu = np.arange(num_replicas) // slots_per_gpu
+    slot_domain = slot_gpu // (gpus_per_domain or num_gpus)
     budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
     moves = np.zeros(num_layers, dtype=np.int64)
     for layer in range(num_layers):
@@ -308,6 +312,8 @@ def shift_replicas(
             for receiver in np.unique(experts[slot_gpu == heavy]):
                 holds = np.zeros(num_gpus, dtype=bool)
                 holds[slot_gpu[experts == receiver]] = True
+                home = np.zeros(num_replicas, dtype=bool)  # slots in a domain the receiver is in
+                home[np.isin(slot_domain, slot_domain[experts == receiver])] = True
                 gain_per = weights[receiver] / (counts[receiver] + 1) - per_replica[receiver]
                 base = (
                     gpu_load
@@ -321,7 +327,7 @@ def shift_replicas(
                         base
                         + np.bincount(slot_gpu[experts == donor], minlength=num_gpus) * loss_per
                     )
-                    candidates = np.flatnonzero((experts == donor) & ~holds[slot_gpu])
+                    candidates = np.flatnonzero((experts == donor) & ~holds[slot_gpu] & home)
                     if candidates.size == 0:
                         continue
                     order = np.argsort(-new, kind="stable")

@@ -331,7 +331,12 @@ def _migrate(
     if above.size:
         sub = phy2log[above]
         shifted = shift_replicas(
-            sub, load[above], lay.num_gpus, min_gain=min_gain, max_total_moves=budget_left()
+            sub,
+            load[above],
+            lay.num_gpus,
+            min_gain=min_gain,
+            max_total_moves=budget_left(),
+            gpus_per_domain=domain,
         )
         phy2log[above] = sub
         if shifted.any():
