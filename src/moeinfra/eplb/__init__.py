@@ -1,6 +1,7 @@
 """Expert-parallelism load balancer (EPLB).
 
-* :func:`rebalance_experts` — DeepSeek's published policy, same contract and results.
+* :func:`rebalance_experts` — DeepSeek's published policy, same contract; same plan up to the order
+  of equal-load slots (DeepSeek's torch sort is not stable).
 * :func:`rebalance` — moeinfra's policies (``auto``/``hierarchical``/``global``/``deepseek``), never
   worse than DeepSeek's on any layer, duplicate-free, migration-aware; returns a :class:`Plan`.
 * :func:`evaluate` — balance, gap to a lower bound, duplicates, traffic.

@@ -1,8 +1,12 @@
 """DeepSeek's published EPLB policy (``rebalance_experts``), reimplemented for all layers at once.
 
-Same contract and same results as DeepSeek's release, including its float32 arithmetic and its
-tie-breaking (lowest index wins), but its greedy loops run numba-compiled over all layers instead
-of a Python loop over 0-d tensors. Sorting is stable, so equal loads keep expert order.
+Same contract as DeepSeek's release and the same plan as its algorithm run with a stable sort,
+including its float32 arithmetic and its tie-breaking (lowest index wins), but its greedy loops run
+numba-compiled over all layers instead of a Python loop over 0-d tensors. DeepSeek's code sorts with
+torch's default sort, which is not stable on rows longer than 16; at DeepSeek-V3 scale the
+replicas of one expert tie, and DeepSeek's code may put them in other slots: replica counts and
+every slot's and GPU's load are identical, equal-load slots may trade places
+(``tests/eplb/test_deepseek_scale.py``).
 """
 
 from __future__ import annotations
