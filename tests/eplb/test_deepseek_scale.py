@@ -123,3 +123,33 @@ def test_with_torch_sort_only_equal_load_slots_trade_places(v3_loads, kind, shap
     np.testing.assert_array_equal(mine, ref)  # every slot's load, so every GPU's load
     # the slots that differ hold different experts of the same load per replica
     assert (ours != theirs).any() or shape is not PREFILL  # ties do occur at this scale
+
+
+@pytest.mark.parametrize(
+    ("experts", "layout"),
+    [
+        (4, (8, 3, 2, 4)),  # vLLM's test_parameter_validation case
+        (256, (288, 8, 3, 8)),  # GPUs not a multiple of nodes
+        (256, (288, 8, 16, 8)),  # more nodes than GPUs
+        (60, (64, 8, 3, 8)),  # experts not divisible into groups
+    ],
+)
+def test_the_global_fallback_accepts_the_layouts_the_reference_accepts(experts, layout):
+    """groups % nodes != 0: DeepSeek places as one group on one node and needs nothing of the
+    group and node counts; so does rebalance_experts, with the reference's plan."""
+    load = np.random.default_rng(experts).lognormal(0, 1, (3, experts)) * 100
+    ours, log2phy, count = rebalance_experts(load, *layout)
+    theirs, theirs_cnt = reference(load, *layout, stable=True)
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(count, theirs_cnt)
+    assert log2phy.shape == (3, experts, count.max())
+
+
+def test_what_the_reference_cannot_place_is_still_refused():
+    load = np.ones((1, 60))
+    with pytest.raises(ValueError, match="num_groups=8 must divide"):  # hierarchical: 8 % 4 == 0
+        rebalance_experts(load, 64, 8, 4, 8)
+    with pytest.raises(ValueError, match="multiple of num_gpus"):
+        rebalance_experts(load, 66, 8, 3, 8)
+    with pytest.raises(ValueError, match="num_nodes=0"):
+        rebalance_experts(load, 64, 8, 0, 8)

@@ -16,7 +16,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from moeinfra.eplb.inputs import check_layout, like_input, to_numpy_load
+from moeinfra.eplb.inputs import check_layout, like_input, positive_int, to_numpy_load
 from moeinfra.eplb.packing import descending_order, pack_rows, sift_down
 from moeinfra.errors import InputError
 
@@ -222,7 +222,12 @@ def rebalance_experts(
     if log2phy_width not in LOG2PHY_WIDTHS:
         raise InputError(f"log2phy_width={log2phy_width!r} is not one of {LOG2PHY_WIDTHS}")
     load = to_numpy_load(weight)
-    layout = check_layout(load.shape[1], num_replicas, num_groups, num_nodes, num_gpus)
+    if positive_int("num_groups", num_groups) % positive_int("num_nodes", num_nodes):
+        # the global fallback places as one group on one node: like DeepSeek's, it accepts any
+        # group and node counts (experts not divisible into groups, GPUs not into nodes)
+        layout = check_layout(load.shape[1], num_replicas, 1, 1, num_gpus)
+    else:
+        layout = check_layout(load.shape[1], num_replicas, num_groups, num_nodes, num_gpus)
     phy2log, phyrank, logcnt, _ = deepseek_arrays(
         load, layout.num_replicas, layout.num_groups, layout.num_nodes, layout.num_gpus
     )

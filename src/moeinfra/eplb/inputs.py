@@ -40,7 +40,7 @@ class Layout:
         return self.num_experts // self.num_groups
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
         raise InputError(f"{name}={value!r} must be a positive integer")
     return int(value)
@@ -50,10 +50,10 @@ def check_layout(
     num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> Layout:
     """Validate the slot/hardware numbers against each other; raise :class:`InputError` naming the rule."""
-    num_replicas = _positive_int("num_replicas", num_replicas)
-    num_groups = _positive_int("num_groups", num_groups)
-    num_nodes = _positive_int("num_nodes", num_nodes)
-    num_gpus = _positive_int("num_gpus", num_gpus)
+    num_replicas = positive_int("num_replicas", num_replicas)
+    num_groups = positive_int("num_groups", num_groups)
+    num_nodes = positive_int("num_nodes", num_nodes)
+    num_gpus = positive_int("num_gpus", num_gpus)
     if num_replicas < num_experts:
         raise InputError(
             f"num_replicas={num_replicas} must be >= the number of experts ({num_experts}): "
