@@ -101,6 +101,7 @@ COLUMNS = [
     ("deepseek_gap_to_bound", "deepseek gap to bound", "{:.2%}"),
     ("default_duplicates", "default dup.", "{}"),
     ("deepseek_duplicates", "deepseek dup.", "{}"),
+    ("migrate_ms", "migrate ms", "{:.1f}"),
     ("migrate_moved_fraction", "migrate: slots moved", "{:.1%}"),
     ("migrate_worse_than_fresh", "migrate: worse than fresh", "{:+.2%}"),
     ("deepseek_moved_fraction", "deepseek: slots moved", "{:.1%}"),

@@ -284,7 +284,7 @@ def shift_replicas(
     that does not hold the receiver yet; it applies the change with the lowest resulting heaviest GPU
     if that is below the current one by more than ``min_gain`` of it. With ``gpus_per_domain``
     (GPUs per node for hierarchical plans) the new replica must land in a domain that already holds
-    the receiver, so expert groups stay on their node. In place.
+    the receiver, so expert groups stay on their node. In place; compiled per layer.
 
     Args:
         phy2log: ``[L, R]`` modified in place. load: ``[L, E]``.
@@ -292,65 +292,112 @@ def shift_replicas(
         ``[L]`` slots reassigned per layer.
     """
     num_layers, num_replicas = phy2log.shape
-    num_experts = load.shape[1]
-    slots_per_gpu = num_replicas // num_gpus
-    slot_gpu = np.arange(num_replicas) // slots_per_gpu
+    slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
     slot_domain = slot_gpu // (gpus_per_domain or num_gpus)
     budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
     moves = np.zeros(num_layers, dtype=np.int64)
+    load = np.ascontiguousarray(load, dtype=np.float64)
     for layer in range(num_layers):
-        weights = load[layer]
-        experts = phy2log[layer]
-        counts = np.bincount(experts, minlength=num_experts)
-        while budget > 0:
-            per_replica = weights / counts
-            gpu_load = np.bincount(slot_gpu, weights=per_replica[experts], minlength=num_gpus)
-            heavy = int(gpu_load.argmax())
-            current = gpu_load[heavy]
-            after_loss = np.where(counts >= 2, weights / np.maximum(counts - 1, 1), np.inf)
-            best = (current * (1.0 - min_gain), -1, -1)
-            for receiver in np.unique(experts[slot_gpu == heavy]):
-                holds = np.zeros(num_gpus, dtype=bool)
-                holds[slot_gpu[experts == receiver]] = True
-                home = np.zeros(num_replicas, dtype=bool)  # slots in a domain the receiver is in
-                home[np.isin(slot_domain, slot_domain[experts == receiver])] = True
-                gain_per = weights[receiver] / (counts[receiver] + 1) - per_replica[receiver]
-                base = (
-                    gpu_load
-                    + np.bincount(slot_gpu[experts == receiver], minlength=num_gpus) * gain_per
-                )
-                for donor in np.argsort(after_loss, kind="stable")[:donors]:
-                    if donor == receiver or not np.isfinite(after_loss[donor]):
+        if budget <= 0:
+            break
+        row = np.ascontiguousarray(phy2log[layer])
+        moves[layer] = _shift_layer(
+            row, load[layer], slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
+        )
+        phy2log[layer] = row
+        budget -= moves[layer]
+    return moves
+
+
+@numba.njit(cache=True)
+def _shift_layer(
+    experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
+):  # pragma: no cover
+    """One layer of :func:`shift_replicas`; returns the slots reassigned."""
+    num_replicas = experts.size
+    num_experts = weights.size
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for slot in range(num_replicas):
+        counts[experts[slot]] += 1
+    per_replica = np.empty(num_experts)
+    after_loss = np.empty(num_experts)
+    gpu_load = np.empty(num_gpus)
+    on_gpu = np.zeros(num_gpus, dtype=np.int64)  # receiver's / donor's slots per GPU
+    donor_on = np.zeros(num_gpus, dtype=np.int64)
+    in_domain = np.zeros(num_replicas, dtype=np.bool_)
+    is_receiver = np.zeros(num_experts, dtype=np.bool_)
+    new = np.empty(num_gpus)
+    moves = 0
+    while moves < budget:
+        for e in range(num_experts):
+            per_replica[e] = weights[e] / counts[e]
+            after_loss[e] = weights[e] / max(counts[e] - 1, 1) if counts[e] >= 2 else np.inf
+        gpu_load[:] = 0.0
+        for slot in range(num_replicas):
+            gpu_load[slot_gpu[slot]] += per_replica[experts[slot]]
+        heavy = np.argmax(gpu_load)
+        best_value = gpu_load[heavy] * (1.0 - min_gain)
+        best_slot, best_receiver = -1, -1
+        is_receiver[:] = False
+        for slot in range(num_replicas):
+            if slot_gpu[slot] == heavy:
+                is_receiver[experts[slot]] = True
+        donor_order = np.argsort(after_loss, kind="mergesort")[:donors]
+        for receiver in range(num_experts):  # ascending, as np.unique
+            if not is_receiver[receiver]:
+                continue
+            on_gpu[:] = 0
+            for slot in range(num_replicas):
+                if experts[slot] == receiver:
+                    on_gpu[slot_gpu[slot]] += 1
+            for slot in range(num_replicas):
+                in_domain[slot] = False
+            for slot in range(num_replicas):
+                if experts[slot] == receiver:
+                    for other in range(num_replicas):
+                        if slot_domain[other] == slot_domain[slot]:
+                            in_domain[other] = True
+            gained = weights[receiver] / (counts[receiver] + 1)
+            gain_per = gained - per_replica[receiver]
+            for d in range(donor_order.size):
+                donor = donor_order[d]
+                if donor == receiver or not np.isfinite(after_loss[donor]):
+                    continue
+                loss_per = after_loss[donor] - per_replica[donor]
+                donor_on[:] = 0
+                for slot in range(num_replicas):
+                    if experts[slot] == donor:
+                        donor_on[slot_gpu[slot]] += 1
+                for g in range(num_gpus):
+                    new[g] = (gpu_load[g] + on_gpu[g] * gain_per) + donor_on[g] * loss_per
+                top = 0
+                for g in range(1, num_gpus):
+                    if new[g] > new[top]:
+                        top = g
+                second = top
+                if num_gpus > 1:
+                    second = 1 if top == 0 else 0
+                    for g in range(num_gpus):
+                        if g != top and new[g] > new[second]:
+                            second = g
+                pick, pick_value = -1, np.inf
+                for slot in range(num_replicas):
+                    g = slot_gpu[slot]
+                    if experts[slot] != donor or on_gpu[g] > 0 or not in_domain[slot]:
                         continue
-                    loss_per = after_loss[donor] - per_replica[donor]
-                    new = (
-                        base
-                        + np.bincount(slot_gpu[experts == donor], minlength=num_gpus) * loss_per
-                    )
-                    candidates = np.flatnonzero((experts == donor) & ~holds[slot_gpu] & home)
-                    if candidates.size == 0:
-                        continue
-                    order = np.argsort(-new, kind="stable")
-                    top, second = order[0], order[1] if num_gpus > 1 else order[0]
-                    cand_gpu = slot_gpu[candidates]
-                    at_cand = (
-                        new[cand_gpu]
-                        - after_loss[donor]
-                        + weights[receiver] / (counts[receiver] + 1)
-                    )
-                    others = np.where(cand_gpu == top, new[second], new[top])
-                    resulting = np.maximum(at_cand, others)
-                    pick = int(resulting.argmin())
-                    if resulting[pick] < best[0]:
-                        best = (resulting[pick], int(candidates[pick]), int(receiver))
-            if best[1] < 0:
-                break
-            _, slot, receiver = best
-            counts[experts[slot]] -= 1
-            counts[receiver] += 1
-            experts[slot] = receiver
-            moves[layer] += 1
-            budget -= 1
+                    at_cand = new[g] - after_loss[donor] + gained
+                    others = new[second] if g == top else new[top]
+                    resulting = max(at_cand, others)
+                    if resulting < pick_value:
+                        pick, pick_value = slot, resulting
+                if pick >= 0 and pick_value < best_value:
+                    best_value, best_slot, best_receiver = pick_value, pick, receiver
+        if best_slot < 0:
+            break
+        counts[experts[best_slot]] -= 1
+        counts[best_receiver] += 1
+        experts[best_slot] = best_receiver
+        moves += 1
     return moves
 
 

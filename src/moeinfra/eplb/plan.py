@@ -151,12 +151,17 @@ class Plan:
                 f"log2phy has shape {self.log2phy.shape}, want [{p.shape[0]}, "
                 f"{lay.num_experts}, >= {counts.max()}]"
             )
-        listed = np.arange(width) < counts[..., None]
-        slots = np.where(listed, self.log2phy, 0)
+        used = int(counts.max())  # columns past the most replicas hold only padding
+        head = self.log2phy[..., :used]
+        listed = np.arange(used) < counts[..., None]
+        slots = np.where(listed, head, 0)
         # each layer lists every slot exactly once, under the expert that slot holds
-        ok = (self.log2phy[~listed] == -1).all() and all(
-            np.array_equal(np.sort(slots[layer][listed[layer]]), np.arange(lay.num_replicas))
-            for layer in range(p.shape[0])
+        # (logcnt sums to R per layer, so each layer lists R slots)
+        per_layer = np.sort(slots[listed].reshape(p.shape[0], lay.num_replicas), axis=1)
+        ok = (
+            (self.log2phy[..., used:] == -1).all()
+            and (head[~listed] == -1).all()
+            and (per_layer == np.arange(lay.num_replicas)).all()
         )
         if ok:
             owner = np.take_along_axis(p, slots.reshape(p.shape[0], -1), 1).reshape(slots.shape)
