@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from trace_builders import kernel, write_trace
+from trace_builders import annotation, kernel, write_trace
 from typer.testing import CliRunner
 
 from moeinfra.cli.trace import app
@@ -46,9 +48,33 @@ def test_folder_report_and_empty_trace(tmp_path):
     assert [(d["rank"], d["compute_us"]) for d in doc["devices"]] == [(0, 10), (1, 11)]
     res = runner.invoke(app, ["report", str(folder), "--quiet"])
     assert res.exit_code == 0 and "all devices" in res.output
-    empty = write_trace(tmp_path / "e.json", [])
-    res = runner.invoke(app, ["report", str(empty)])
+    cpu_only = write_trace(tmp_path / "c.json", [annotation("step", 0, 10)])
+    res = runner.invoke(app, ["report", str(cpu_only)])
     assert res.exit_code == 0 and "no GPU ops" in res.output
+    # no events at all (an empty list, or JSON that is no trace) is an error
+    for name, text in (("e.json", '{"traceEvents": []}'), ("a.json", '{"a": 1}')):
+        (tmp_path / name).write_text(text)
+        res = runner.invoke(app, ["report", str(tmp_path / name)])
+        assert res.exit_code != 0 and "no trace events" in str(res.exception)
+    cli = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "trace", "report", str(tmp_path / "a.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1 and "no trace events" in cli.stderr
+
+
+def test_events_without_ts_or_beyond_int64_are_skipped_and_counted(tmp_path):
+    from moeinfra.trace import read_trace
+
+    ok = kernel("gemm", 5, 10)
+    no_ts = {k: v for k, v in kernel("late", 0, 10).items() if k != "ts"}
+    huge = kernel("huge", 1e30, 10)
+    trace = read_trace(write_trace(tmp_path / "t.json", [ok, no_ts, huge]))
+    assert len(trace.gpu) == 1 and trace.gpu.start_ns.tolist() == [5000]
+    assert trace.skipped == {"event without ts or with ts beyond int64 ns": 2}
 
 
 def test_bad_zoom_is_an_input_error(tmp_path):

@@ -101,8 +101,10 @@ def test_wrong_structure_is_a_trace_format_error(tmp_path):
 
 
 def test_empty_trace_and_bare_array(tmp_path):
-    empty = analyze(write_trace(tmp_path / "e.json", []))
-    assert empty.devices == [] and empty.to_dict()["gpu_ops"] == 0
+    with pytest.raises(TraceFormatError, match="no trace events"):  # nothing at all: an error
+        analyze(write_trace(tmp_path / "e.json", []))
+    cpu_only = analyze(write_trace(tmp_path / "c.json", [annotation("step", 0, 10)]))
+    assert cpu_only.devices == [] and cpu_only.to_dict()["gpu_ops"] == 0
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps([kernel("a", 0, 3)]))
     assert len(read_trace(bare).gpu) == 1

@@ -55,7 +55,7 @@ class _Event(msgspec.Struct, gc=False):
     name: str = ""
     pid: int | str = 0
     tid: int | str = 0
-    ts: int | float = 0
+    ts: int | float | None = None
     dur: int | float | None = None
     id: Any = None
     args: _Args | None = None
@@ -88,6 +88,7 @@ _ARRAY_DECODERS = {
 }
 _EVENTS_DECODER = _ARRAY_DECODERS[False]
 _CHUNK = 8_000  # events per decoded chunk: small chunks keep peak memory low
+_TS_LIMIT_NS = 2.0**62  # |ts| and dur in ns must fit int64 with room for ts + dur
 _ONE_PASS_BYTES = 16_000_000  # below this, decode in one pass (faster); above, in chunks
 
 # Category (lower case) -> GPU op kind. Legacy Kineto used "Kernel", "Memcpy", "Memset".
@@ -157,6 +158,11 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto", progress: bool
     declared = []
     for position, file in enumerate(iterator):
         declared.append(_read_file(file, position, time_unit, collector))
+    if collector.events_seen == 0:
+        raise TraceFormatError(
+            f"{path}: no trace events (no traceEvents array, or an empty one); "
+            "a Chrome trace lists its events in traceEvents"
+        )
     return collector.finish(_assign_ranks(declared), [str(f) for f in files])
 
 
@@ -340,6 +346,7 @@ class _Collector:
         self.a_parts: list[dict[str, np.ndarray]] = []
         self.f_parts: list[dict[str, np.ndarray]] = []
         self.skipped: dict[str, int] = {}
+        self.events_seen = 0
         self.devices: dict[tuple[int, int], DeviceProps] = {}
 
     def add(self, events: list[_Event], rank: int, unit: str) -> None:
@@ -355,15 +362,27 @@ class _Collector:
         # One pass to bucket events by phase and category; columns come from comprehensions.
         by_cat: dict[str, list[_Event]] = {}
         flow_events: list[_Event] = []
+        self.events_seen += len(events)
+        # times become int64 ns: an event without a ts, or one beyond int64's range, is skipped
+        limit = _TS_LIMIT_NS / (1000 if unit == "us" else 1)
+        unplaced = 0
         for ev in events:
             ph = ev.ph
-            if ph == "X":
+            if ph != "X" and ph != "s" and ph != "f":
+                continue
+            ts = ev.ts
+            if ts is None or not -limit < ts < limit:
+                unplaced += 1
+            elif ph == "X":
                 bucket = by_cat.get(ev.cat)
                 if bucket is None:
                     bucket = by_cat[ev.cat] = []
                 bucket.append(ev)
-            elif ph == "s" or ph == "f":
+            else:
                 flow_events.append(ev)
+        if unplaced:
+            reason = "event without ts or with ts beyond int64 ns"
+            skipped[reason] = skipped.get(reason, 0) + unplaced
 
         gpu_events: list[_Event] = []
         gpu_kind: list[int] = []
@@ -375,7 +394,7 @@ class _Collector:
         ann_gpu: list[bool] = []
         for cat, bucket in by_cat.items():
             low = cat.lower()
-            has_dur = [e for e in bucket if e.dur is not None]
+            has_dur = [e for e in bucket if e.dur is not None and -limit < e.dur < limit]
             missing = len(bucket) - len(has_dur)
             kind = _GPU_CATS.get(low)
             if missing:
