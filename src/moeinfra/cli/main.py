@@ -6,36 +6,73 @@ Bad input (``ValueError`` and ``OSError`` from the library) becomes one line on 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 import typer
 
-from moeinfra.cli import engine as engine_cli
-from moeinfra.cli import eplb as eplb_cli
-from moeinfra.cli import moe as moe_cli
-from moeinfra.cli import pipeline as pipeline_cli
-from moeinfra.cli import serve as serve_cli
-from moeinfra.cli import serve_live
-from moeinfra.cli import trace as trace_cli
+#: Subcommand groups: module and one-line help. Only the group being run is imported, so
+#: ``moeinfra --help`` and ``moeinfra trace ...`` do not pay for numba, torch or the server.
+GROUPS = {
+    "engine": (
+        "moeinfra.cli.engine",
+        "Inference engine for DeepSeek-V3-architecture checkpoints (Hugging Face format).",
+    ),
+    "eplb": (
+        "moeinfra.cli.eplb",
+        "Expert-parallelism load balancer: plan, evaluate, show, benchmark.",
+    ),
+    "moe": (
+        "moeinfra.cli.moe",
+        "Expert-parallel DeepSeek-V3 MoE with redundant experts and dual micro-batch overlap.",
+    ),
+    "pipeline": (
+        "moeinfra.cli.pipeline",
+        "Pipeline schedules (GPipe, 1F1B, ZB1P, DualPipe, DualPipeV): simulate, compare.",
+    ),
+    "serve": (
+        "moeinfra.cli.serve",
+        "Inference fleet: simulate a day, plan capacity, per-layer performance model.",
+    ),
+    "trace": (
+        "moeinfra.cli.trace",
+        "PyTorch-profiler trace analysis: how much communication is hidden behind computation.",
+    ),
+}
 
-app = typer.Typer(
-    name="moeinfra",
-    help="DeepSeek-style MoE infrastructure: EPLB, pipeline schedules, trace overlap analysis, inference engine, serving.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-app.add_typer(engine_cli.app, name="engine")
-app.add_typer(eplb_cli.app, name="eplb")
-app.add_typer(moe_cli.app, name="moe")
-app.add_typer(pipeline_cli.app, name="pipeline")
-serve_live.register(serve_cli.app)
-app.add_typer(serve_cli.app, name="serve")
-app.add_typer(trace_cli.app, name="trace")
+
+def group_app(name: str) -> typer.Typer:
+    """The ``typer`` app of subcommand group ``name`` (imports its module)."""
+    sub = importlib.import_module(GROUPS[name][0]).app
+    if name == "serve":
+        from moeinfra.cli import serve_live
+
+        if not any(c.callback.__name__ == "up" for c in sub.registered_commands):
+            serve_live.register(sub)
+    return sub
 
 
-@app.command()
+def build_app(groups: tuple[str, ...] | None = None) -> typer.Typer:
+    """The CLI with ``groups`` (default: all) loaded; the others are listed by name and help
+    only, enough for ``moeinfra --help``."""
+    app = typer.Typer(
+        name="moeinfra",
+        help="DeepSeek-style MoE infrastructure: EPLB, pipeline schedules, trace overlap analysis, "
+        "inference engine, serving.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+    for name, (_, text) in GROUPS.items():
+        if groups is None or name in groups:
+            app.add_typer(group_app(name), name=name)
+        else:
+            app.add_typer(typer.Typer(help=text, no_args_is_help=True), name=name)
+    app.command()(demo)
+    return app
+
+
 def demo(
     out: Path = typer.Option(
         Path("report"), "--out", "-o", help="Folder for index.html and figures."
@@ -54,8 +91,15 @@ def main() -> None:
 
     Usage errors (unknown option, bad type) are typer's own and also exit 2.
     """
+    wanted = tuple(arg for arg in sys.argv[1:2] if arg in GROUPS)
     try:
-        app()
+        build_app(wanted)()
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+
+
+def __getattr__(name: str):
+    if name == "app":  # the whole CLI, for tests and embedding (imports every group)
+        return build_app()
+    raise AttributeError(name)
