@@ -40,16 +40,21 @@ class OverlapStage(Stage):
     def overlapped_forward_backward(
         cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
     ):
-        from moeinfra.pipeline.runtime import run_backward
-
         cls.calls += 1
         outputs0 = [module0(*inputs0)]
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
         if loss1 is not None:
             loss1.backward()
             loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
+        else:  # as DeepSeek's dualpipe.utils.run_backward: straight to the engine (tuples only)
+            torch.autograd.Variable._execution_engine.run_backward(
+                outputs1,
+                output_grads1,
+                keep_graph=False,
+                create_graph=False,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
         return outputs0, loss0
 
 

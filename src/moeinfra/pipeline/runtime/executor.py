@@ -276,7 +276,9 @@ class ScheduleExecutor:
         roots, grads = self._pre_backward(b_stage, b_mb)
         is_loss = self.schedule.is_last(b_stage)
         loss1 = roots[0] if is_loss and roots else None
-        outputs1, output_grads1 = ([], []) if is_loss else (roots, grads)
+        # tuples, as DeepSeek's DualPipe passes them (its run_backward hands them to the autograd
+        # engine, which takes tuples only)
+        outputs1, output_grads1 = ([], []) if is_loss else (tuple(roots), tuple(grads))
         outputs0, loss0 = hook(
             module0, inputs0, criterion0, list(labels0), m1, loss1, outputs1, output_grads1
         )
