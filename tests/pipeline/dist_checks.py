@@ -102,16 +102,22 @@ def _specs():
     return [((MB, H), torch.float32)]
 
 
-def check_dualpipe(cls: type = Stage, n_chunks: int | None = None) -> str | None:
-    from moeinfra.pipeline.runtime import DualPipe
+def check_dualpipe(
+    cls: type = Stage, n_chunks: int | None = None, deepseek_calls: bool = False
+) -> str | None:
+    from moeinfra.pipeline.dualpipe import DualPipe, set_p2p_tensor_dtype, set_p2p_tensor_shapes
 
     rank, pp = dist.get_rank(), dist.get_world_size()
     n = n_chunks or 2 * pp
     half = n // 2
     full = full_model(pp, cls)
-    model = DualPipe(
-        (copy.deepcopy(full[rank]), copy.deepcopy(full[pp - 1 - rank])), p2p_specs=_specs()
-    )
+    stages = (copy.deepcopy(full[rank]), copy.deepcopy(full[pp - 1 - rank]))
+    if deepseek_calls:  # as DeepSeek's examples: shapes and dtype set for the process
+        model = DualPipe(stages)
+        set_p2p_tensor_shapes([(MB, H)])
+        set_p2p_tensor_dtype(torch.float32)
+    else:
+        model = DualPipe(stages, p2p_specs=_specs())
     xa, ya = batch(half, 1)  # enters at rank 0
     xb, yb = batch(half, 2)  # enters at rank PP-1
     args = {}
@@ -150,6 +156,15 @@ def check_dualpipe(cls: type = Stage, n_chunks: int | None = None) -> str | None
     if any(q.grad is not None for q in model.parameters()):
         return "inference produced gradients"
     return None
+
+
+def check_with_deepseek_calls() -> str | None:
+    from moeinfra.pipeline.runtime import models
+
+    try:
+        return check_dualpipe(deepseek_calls=True)
+    finally:  # the setters hold for the process: leave it as the other checks expect
+        models._p2p_shapes = models._p2p_dtype = None
 
 
 def check_dualpipe_overlap_hook() -> str | None:
@@ -308,6 +323,7 @@ CHECKS = {
     "dualpipe": check_dualpipe,
     "dualpipe_more_chunks": lambda: check_dualpipe(n_chunks=2 * dist.get_world_size() + 4),
     "dualpipe_overlap_hook": check_dualpipe_overlap_hook,
+    "dualpipe_deepseek_calls": check_with_deepseek_calls,
     "dualpipev_odd": lambda: check_dualpipev(2 * dist.get_world_size() + 1),
     "1f1b": lambda: check_single("OneFOneB", 6),
     "zb1p": lambda: check_single("ZB1P", 6),

@@ -12,6 +12,8 @@ from moeinfra.pipeline.runtime.models import (
     OneFOneB,
     gather,
     scatter,
+    set_p2p_tensor_dtype,
+    set_p2p_tensor_shapes,
 )
 
 __all__ = [
@@ -25,4 +27,6 @@ __all__ = [
     "gather",
     "run_backward",
     "scatter",
+    "set_p2p_tensor_dtype",
+    "set_p2p_tensor_shapes",
 ]

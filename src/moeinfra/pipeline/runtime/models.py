@@ -9,6 +9,8 @@ rank(s) that compute the loss (``None`` elsewhere), ``outputs`` the gathered las
 Tensors sent between stages are declared per model stage with ``p2p_specs``: a list of
 ``(shape, dtype)`` for one micro-batch, used for every stage boundary, or a dict
 ``{model_stage: [(shape, dtype), ...]}`` giving what each model stage receives (``model_stage >= 1``).
+A runner without ``p2p_specs`` uses what DeepSeek's calls set for the whole process,
+:func:`set_p2p_tensor_shapes` and :func:`set_p2p_tensor_dtype`, read at each ``step``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,26 @@ from moeinfra.pipeline.runtime.executor import ScheduleExecutor, TensorSpec, as_
 from moeinfra.pipeline.schedule import Schedule
 
 P2PSpecs = Sequence[TensorSpec] | Mapping[int, Sequence[TensorSpec]]
+
+# DeepSeek's dualpipe.utils keeps these per process; runners without p2p_specs read them
+_p2p_shapes: list[tuple[int, ...]] | None = None
+_p2p_dtype: torch.dtype | None = None
+
+
+def set_p2p_tensor_shapes(shapes: Sequence[Sequence[int]]) -> None:
+    """DeepSeek's call: the shapes of the tensors every stage boundary exchanges, per micro-batch
+    (for runners built without ``p2p_specs``; with :func:`set_p2p_tensor_dtype`)."""
+    global _p2p_shapes
+    _p2p_shapes = [tuple(int(d) for d in shape) for shape in shapes]
+
+
+def set_p2p_tensor_dtype(dtype: torch.dtype) -> None:
+    """DeepSeek's call: the dtype of the tensors stage boundaries exchange (see
+    :func:`set_p2p_tensor_shapes`)."""
+    global _p2p_dtype
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype={dtype!r} must be a torch.dtype")
+    _p2p_dtype = dtype
 
 
 def _norm_spec(spec: Sequence) -> TensorSpec:
@@ -98,8 +120,11 @@ class _Runner(nn.Module):
 
     def _input_specs(self, model_stage: int) -> Sequence[TensorSpec]:
         if self._specs is None:
+            if _p2p_shapes is not None and _p2p_dtype is not None:
+                return [(shape, _p2p_dtype) for shape in _p2p_shapes]
             raise InputError(
-                "p2p_specs are not set: pass p2p_specs=[(shape, dtype), ...] or call set_p2p_specs"
+                "p2p_specs are not set: pass p2p_specs=[(shape, dtype), ...], call set_p2p_specs, "
+                "or DeepSeek's set_p2p_tensor_shapes and set_p2p_tensor_dtype"
             )
         if isinstance(self._specs, dict):
             if model_stage not in self._specs:
