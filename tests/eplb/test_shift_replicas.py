@@ -18,21 +18,7 @@ def shift_replicas_by_hand(
     donors: int = 8,
     gpus_per_domain: int | None = None,
 ) -> np.ndarray:
-    """Move replicas between experts (one slot changes its expert) while that lowers the heaviest GPU.
-
-    A load shift can change how many replicas an expert deserves, which swaps cannot fix. Each step
-    tries giving one more replica to an expert on the heaviest GPU, taken from one of the ``donors``
-    experts whose load per replica stays lowest after losing one, in every slot of the donor on a GPU
-    that does not hold the receiver yet; it applies the change with the lowest resulting heaviest GPU
-    if that is below the current one by more than ``min_gain`` of it. With ``gpus_per_domain``
-    (GPUs per node for hierarchical plans) the new replica must land in a domain that already holds
-    the receiver, so expert groups stay on their node. In place.
-
-    Args:
-        phy2log: ``[L, R]`` modified in place. load: ``[L, E]``.
-    Returns:
-        ``[L]`` slots reassigned per layer.
-    """
+    """The rule of :func:`shift_replicas`, step by step in numpy (its earlier implementation)."""
     num_layers, num_replicas = phy2log.shape
     num_experts = load.shape[1]
     slots_per_gpu = num_replicas // num_gpus

@@ -61,7 +61,9 @@ def route(
         scores = grouped.masked_fill(drop.unsqueeze(-1), float("-inf")).flatten(1)
     indices = scores.topk(top_k, dim=-1)[1]
     weights = original.gather(1, indices)
-    if scoring == "sigmoid" if normalize is None else normalize:
+    if normalize is None:
+        normalize = scoring == "sigmoid"
+    if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling_factor, indices
 

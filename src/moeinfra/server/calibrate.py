@@ -195,10 +195,7 @@ def step_points(units: list[dict]) -> list[StepPoint]:
         )
         others = [s for j, u in enumerate(units) if j != k for s in u["steps"]]
         shares = contended_share(unit["steps"], others)
-        prefills = [
-            s for j, u in enumerate(units) if j != k for s in u["steps"] if s["phase"] == "prefill"
-        ]
-        edges = boundaries_within(unit["steps"], prefills)
+        edges = boundaries_within(unit["steps"], [s for s in others if s["phase"] == "prefill"])
         for s, share, edge in zip(unit["steps"], shares, edges, strict=True):
             phase = s["phase"]
             if phase not in PHASES_OF_ROLE[unit["role"]]:
@@ -278,13 +275,7 @@ def calibrate_live(
         if progress is not None:
             progress()
     # serving traffic: Poisson arrivals at a quarter of the prefill unit's pace
-    prefill_steps = [
-        s["seconds"]
-        for u in asyncio.run(_get_steps(url))["units"]
-        if u["role"] != "decode"
-        for s in u["steps"]
-        if s["phase"] == "prefill"
-    ]
+    prefill_steps = _prefill_seconds(asyncio.run(_get_steps(url)))
     rate = 0.25 * len(prefill) / float(np.median(prefill_steps))
     results, _ = asyncio.run(replay(url, steady_load(PROBE_VOCAB, max_prompt, rate, seed)))
     failed = [r.error for r in results if r.error]
@@ -296,13 +287,7 @@ def calibrate_live(
     )
     info = asyncio.run(_get_steps(url))
     points = step_points(info["units"])
-    alone_steps = [
-        s["seconds"]
-        for u in info["units"]
-        if u["role"] != "decode"
-        for s in u["steps"]
-        if s["step"] > seen.get(u["unit"], -1) and s["phase"] == "prefill"
-    ]
+    alone_steps = _prefill_seconds(info, after=seen)
     ranks_per_unit = ranks.pop()
     hw = measure_host(ranks_per_unit)
     redundant = int(engine.get("redundant_experts") or 0)
@@ -352,6 +337,19 @@ async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[float | Non
             raise InputError(f"--url={url!r}: a probe request failed: {r.error}")
         out.append(r.ttft_s)
     return out[1:]
+
+
+def _prefill_seconds(info: dict, after: dict[str, int] | None = None) -> list[float]:
+    """Seconds of the prefill steps of a ``GET /calibration/steps`` answer (of each unit, only
+    those numbered after ``after[unit]``)."""
+    after = after or {}
+    return [
+        s["seconds"]
+        for u in info["units"]
+        if u["role"] != "decode"
+        for s in u["steps"]
+        if s["phase"] == "prefill" and s["step"] > after.get(u["unit"], -1)
+    ]
 
 
 def _last_steps(info: dict) -> dict[str, int]:

@@ -276,9 +276,10 @@ def simulate(
                     levels, (inputs[a_idx[moved]] + a_done[moved]) * S
                 )
         prev_d_units = d_units
-        # units already decoding before this tick's arrivals (a request does not wait on the
-        # end of its own prefill)
-        decoding = np.bincount(a_unit, minlength=d_max)[:d_max] > 0
+        if interrupt_s:
+            # units already decoding before this tick's arrivals (a request does not wait on
+            # the end of its own prefill)
+            decoding = np.bincount(a_unit, minlength=d_max)[:d_max] > 0
         # ---- decode admission ----
         if pend.size:
             cand = pend[ready[pend] < t1]

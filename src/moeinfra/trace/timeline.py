@@ -55,10 +55,9 @@ def plot_timeline(
             ax.broken_barh(
                 np.stack([xs, ws], axis=1), (y + 0.1, 0.8), facecolors=colour, edgecolor="none"
             )
-    if window_us is not None:
-        span_us = window_us[1] - window_us[0]
-    else:
-        span_us = (int(gpu.end_ns.max()) - origin) * 1e-3 if len(gpu) else 1.0
+    if window_us is None and len(gpu):
+        window_us = (0.0, (int(gpu.end_ns.max()) - origin) * 1e-3)
+    span_us = window_us[1] - window_us[0] if window_us is not None else 1.0
     for lane, starts, ends, names in labels:
         y = len(lanes) - 1 - lane
         wide = (ends - starts) * 1e-3 >= 0.03 * span_us  # room for a name
@@ -82,8 +81,6 @@ def plot_timeline(
     ax.set_ylim(0, max(len(lanes), 1))
     if window_us is not None:
         ax.set_xlim(*window_us)
-    elif len(gpu):
-        ax.set_xlim(0, (int(gpu.end_ns.max()) - origin) * 1e-3)
     ax.set_xlabel("time since first GPU op (µs)")
     ax.set_title(title or "GPU timeline: compute vs communication")
     drawn = {
@@ -133,7 +130,7 @@ def timeline_lanes(
     slices = list(trace.device_slices().items())[:max_devices]
     several_ranks = len({rank for (rank, _), _ in slices}) > 1
     several_devices = len({device for (_, device), _ in slices}) > 1
-    op_names = gpu.op_names()
+    names = np.asarray(gpu.names, dtype=object)  # looked up for the drawn ops only
     lanes: list[Lane] = []
     labels: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     for (rank, device), rows in slices:
@@ -162,7 +159,7 @@ def timeline_lanes(
                 for code, colour in CLASS_COLOURS.items()
             ]
             lanes.append((f"{prefix}stream {int(sid)}", bars))
-            labels.append((len(lanes) - 1, s[sel], e[sel], op_names[rows][sel]))
+            labels.append((len(lanes) - 1, s[sel], e[sel], names[gpu.name_id[rows][sel]]))
 
     shown = np.concatenate([classes[rows] for _, rows in slices]) if slices else classes[:0]
     return lanes, labels, shown
