@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from . import deepseek_convention
+
 H = 8
 MB = 2  # micro-batch size
 
@@ -164,6 +166,16 @@ def check_with_deepseek_calls() -> str | None:
     try:
         return check_dualpipe(deepseek_calls=True)
     finally:  # the setters hold for the process: leave it as the other checks expect
+        models._p2p_shapes = models._p2p_dtype = None
+
+
+def check_deepseek_script(main) -> str | None:
+    """One of deepseek_convention's scripts on this process group."""
+    from moeinfra.pipeline.runtime import models
+
+    try:
+        return main(dist.get_rank(), dist.get_world_size())
+    finally:
         models._p2p_shapes = models._p2p_dtype = None
 
 
@@ -329,6 +341,8 @@ CHECKS = {
     "zb1p": lambda: check_single("ZB1P", 6),
     "gpipe": lambda: check_single("GPipe", 5),
     "custom_schedule": check_executor_custom_schedule,
+    "deepseek_script_dualpipe": lambda: check_deepseek_script(deepseek_convention.main_dualpipe),
+    "deepseek_script_dualpipev": lambda: check_deepseek_script(deepseek_convention.main_dualpipev),
     "bad_arguments": check_bad_arguments,
 }
 

@@ -25,15 +25,27 @@ def test_four_ranks_all_checks():
     _assert_all_pass(run_checks(4, list(CHECKS), timeout_s=100))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_eight_ranks_dualpipe():
-    _assert_all_pass(run_checks(8, ["dualpipe"], timeout_s=100))
+    checks = ["dualpipe", "deepseek_script_dualpipe", "deepseek_script_dualpipev"]
+    _assert_all_pass(run_checks(8, checks, timeout_s=160))
 
 
 def test_schedules_do_not_import_torch():
     code = (
         "import sys, moeinfra.pipeline as p, moeinfra.pipeline.timeline;"
         "p.simulate(p.dualpipe(4, 8)); assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_importing_deepseek_names_keeps_the_dualpipe_generator_callable():
+    code = (
+        "from moeinfra.pipeline.dualpipe import DualPipe;"
+        "from moeinfra.pipeline import dualpipe;"
+        "from moeinfra.pipeline.generators import dualpipe as gen;"
+        "assert dualpipe(4, 8).actions == gen(4, 8).actions"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -5,9 +5,14 @@
 Imports torch (the rest of :mod:`moeinfra.pipeline` does not).
 """
 
+import sys
+import types
+
+from moeinfra.pipeline import generators
 from moeinfra.pipeline.runtime import (
     DualPipe,
     DualPipeV,
+    WeightGradStore,
     run_backward,
     set_p2p_tensor_dtype,
     set_p2p_tensor_shapes,
@@ -16,7 +21,19 @@ from moeinfra.pipeline.runtime import (
 __all__ = [
     "DualPipe",
     "DualPipeV",
+    "WeightGradStore",
     "run_backward",
     "set_p2p_tensor_dtype",
     "set_p2p_tensor_shapes",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds ``moeinfra.pipeline.dualpipe`` from the schedule generator to
+    the module; called, the module is still that generator."""
+
+    def __call__(self, *args, **kwargs):
+        return generators.dualpipe(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

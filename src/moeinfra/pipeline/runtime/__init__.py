@@ -15,6 +15,7 @@ from moeinfra.pipeline.runtime.models import (
     set_p2p_tensor_dtype,
     set_p2p_tensor_shapes,
 )
+from moeinfra.pipeline.runtime.weight_grad import WeightGradStore
 
 __all__ = [
     "ZB1P",
@@ -24,6 +25,7 @@ __all__ = [
     "OneFOneB",
     "ScheduleExecutor",
     "TensorSpec",
+    "WeightGradStore",
     "gather",
     "run_backward",
     "scatter",

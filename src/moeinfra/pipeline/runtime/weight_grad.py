@@ -7,18 +7,68 @@ Pre-hooks on them capture the gradient that reaches them while the input gradien
 ``W`` then restarts autograd at each boundary node with the captured gradient and asks only for
 the parameters behind it, so the input-gradient part is never computed twice.
 
+A custom ``torch.autograd.Function`` is never restarted: its backward computes every output each
+time it runs and may have side effects (DeepSeek's zero-bubble stages add to ``weight.grad``
+themselves, or defer that to :class:`WeightGradStore`). It runs once, in ``I``; the parameter
+gradients it returns are taken there, and what it puts in the store runs at ``W``.
+
 When that split is not exact (a parameter behind several boundary nodes, e.g. a shared weight, or
 an output that does not depend on the inputs), ``W`` falls back to asking autograd for the parameter
-gradients from the stage outputs, which is correct but walks the graph again.
+gradients from the stage outputs, which is correct but walks the graph again; with a custom
+``Function`` on the input path, everything but the store's work is done in ``I`` instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class WeightGradStore:
+    """DeepSeek's zero-bubble protocol (``dualpipe.utils.WeightGradStore``), same semantics.
+
+    A custom autograd backward that sees ``WeightGradStore.enabled`` puts a closure computing its
+    weight gradient instead of computing it; the runtime enables the store during a split backward
+    (``I``), keeps what was put per micro-batch and stage, and runs it at that ``W``. ``flush`` /
+    ``pop`` / ``clear`` behave as DeepSeek's (one FIFO per process) for code that drives the store
+    itself.
+    """
+
+    enabled: bool = False
+    cache: list[Callable[[], None]] = []
+    funcs_queue: queue.Queue = queue.Queue()
+
+    @classmethod
+    def put(cls, func: Callable[[], None]) -> None:
+        cls.cache.append(func)
+
+    @classmethod
+    def flush(cls) -> None:
+        cls.funcs_queue.put(cls.cache)
+        cls.cache = []
+
+    @classmethod
+    def pop(cls) -> None:
+        if cls.funcs_queue.empty():
+            raise RuntimeError("WeightGradStore.pop: the queue is empty (pop without a flush)")
+        for func in cls.funcs_queue.get():
+            func()
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.cache = []
+        cls.funcs_queue = queue.Queue()
+
+    @classmethod
+    def take(cls) -> list[Callable[[], None]]:
+        """What was put since the last flush or take, removed from the store."""
+        funcs, cls.cache = cls.cache, []
+        return funcs
 
 
 @dataclass
@@ -29,6 +79,11 @@ class DeferredWeightGrad:
     groups: list[tuple[object, tuple, list[torch.nn.Parameter]]] = field(default_factory=list)
     roots: list[torch.Tensor] | None = None
     root_grads: list | None = None
+    stored: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _is_custom(node) -> bool:
+    return isinstance(node, BackwardCFunction)
 
 
 def _children(node) -> list:
@@ -76,6 +131,7 @@ def backward_input(
 
     exact = all(on_path[n] or not behind[n] for n in root_nodes)
     boundary: dict = {}
+    eager: set = set()  # parameters behind a custom Function on the path: taken in I
     for node, is_on in on_path.items():
         if not is_on:
             continue
@@ -83,14 +139,23 @@ def backward_input(
         for c in _children(node):
             if not on_path[c]:
                 got |= behind[c]
-        if got:
+        if got and _is_custom(node):
+            eager |= got
+        elif got:
             boundary[node] = got
-    seen: set = set()
+    seen: set = set(eager)
     for ps in boundary.values():
         if seen & ps:
             exact = False
         seen |= ps
+    custom = any(_is_custom(n) for n, is_on in on_path.items() if is_on)
+    if custom and any(t.grad_fn is not None for t in wanted):
+        exact = False  # a non-leaf input's own node may not run in I: no restart can be trusted
+    if custom and not exact:
+        eager = set(params)
 
+    by_param = {id(p): p for p in params}
+    eager_params = [p for p in params if p in eager]
     captured: dict = {}
     handles = []
     if exact:
@@ -100,21 +165,35 @@ def backward_input(
                     lambda grad_outputs, node=node: captured.__setitem__(node, grad_outputs)
                 )
             )
+    WeightGradStore.enabled = True
     try:
         got = torch.autograd.grad(
-            list(roots), wanted, list(grads), retain_graph=True, allow_unused=True
+            list(roots),
+            wanted + eager_params,
+            list(grads),
+            retain_graph=exact or not custom,
+            allow_unused=True,
         )
     finally:
+        WeightGradStore.enabled = False
+        deferred.stored = WeightGradStore.take()
         for h in handles:
             h.remove()
-    if exact and set(captured) == set(boundary):
-        by_param = {id(p): p for p in params}
+    _accumulate(eager_params, got[len(wanted) :])
+    if custom and not exact:
+        deferred.params = []
+    elif exact and set(captured) == set(boundary):
         deferred.groups = [
             (node, captured[node], [by_param[id(p)] for p in ps]) for node, ps in boundary.items()
         ]
+    elif custom:  # restarting from the roots would run a custom backward a second time
+        raise RuntimeError(
+            "zero-bubble split: a boundary node did not run during the input backward; "
+            "use a full backward (B) for this stage"
+        )
     else:
         deferred.roots, deferred.root_grads = list(roots), list(grads)
-    by_id = {id(t): g for t, g in zip(wanted, got, strict=True)}
+    by_id = {id(t): g for t, g in zip(wanted, got[: len(wanted)], strict=True)}
     return [by_id.get(id(t)) for t in inputs], deferred
 
 
@@ -130,7 +209,10 @@ def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tens
 
 
 def backward_weight(deferred: DeferredWeightGrad) -> None:
-    """Add the deferred weight gradients to the parameters' ``.grad``."""
+    """Add the deferred weight gradients to the parameters' ``.grad``, and run what the stage put
+    in the :class:`WeightGradStore` during its ``I``."""
+    for func in deferred.stored:
+        func()
     if deferred.roots is not None:
         if deferred.params:
             grads = torch.autograd.grad(
