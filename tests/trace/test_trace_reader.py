@@ -35,6 +35,90 @@ def test_fractional_microseconds_keep_nanoseconds(tmp_path):
     assert t.gpu.dur_ns.tolist() == [1250, 1]
 
 
+def _verbatim_trace(path, rows, **top):
+    """A trace of kernels ``(name, stream, ts, dur)`` whose ts/dur texts are written as given.
+
+    ``json.dumps`` would write a float64's repr instead (1700000000123456.789 -> ...456.8).
+    """
+    events = ", ".join(
+        f'{{"ph": "X", "cat": "kernel", "name": "{name}", "pid": 0, "tid": {stream}, '
+        f'"ts": {ts}, "dur": {dur}, "args": {{"device": 0, "stream": {stream}}}}}'
+        for name, stream, ts, dur in rows
+    )
+    head = "".join(f'"{k}": {json.dumps(v)}, ' for k, v in top.items())
+    path.write_text(f'{{{head}"schemaVersion": 1, "traceEvents": [{events}]}}')
+    return path
+
+
+def test_fractional_timestamps_are_exact_at_epoch_magnitude(tmp_path):
+    # float64 steps by 0.25 µs near 1.7e15 µs: it reads ...456.789 and ...456.790 both as ...456.75.
+    assert float("1700000000123456.789") == float("1700000000123456.790") == 1700000000123456.75
+    rows = [
+        ("later", 7, "1700000000123456.790", "0.001"),  # listed first: the reader must sort
+        ("first", 7, "1700000000123456.789", "0.001"),
+        ("other", 8, "1700000000123456.789", "2.5"),
+    ]
+    t = read_trace(_verbatim_trace(tmp_path / "t.json", rows))
+    # 1700000000123456 µs * 1000 + 789 ns; dur 0.001 µs = 1 ns
+    assert t.gpu.start_ns.tolist() == [
+        1700000000123456789,
+        1700000000123456790,
+        1700000000123456789,
+    ]
+    assert t.gpu.end_ns.tolist() == [
+        1700000000123456790,
+        1700000000123456791,
+        1700000000123459289,
+    ]
+    assert [t.gpu.names[i] for i in t.gpu.name_id] == ["first", "later", "other"]
+    assert t.gpu.start_ns.dtype == np.int64
+
+
+def test_integer_timestamps_are_unchanged(tmp_path):
+    rows = [("a", 7, "1740461679471821", "112"), ("b", 7, "1740461679471961", "43")]
+    t = read_trace(_verbatim_trace(tmp_path / "t.json", rows))
+    assert t.gpu.start_ns.tolist() == [1740461679471821000, 1740461679471961000]
+    assert t.gpu.end_ns.tolist() == [1740461679471933000, 1740461679472004000]
+
+
+def test_digits_beyond_the_nanosecond_round_half_to_even(tmp_path):
+    rows = [  # (dur text, ns): 0.5 ns ties go to the even ns, anything past a tie goes away from it
+        ("0.0005", 0),
+        ("0.0015", 2),
+        ("0.0025", 2),
+        ("0.00250000001", 3),
+        ("0.0024999", 2),
+        ("2.0005", 2000),
+        ("1.5e-3", 2),  # an exponent is read exactly too: 1.5 ns, a tie, to even
+        ("1E+3", 1_000_000),
+        # 44 significant digits: a tie only at 28 of them (Decimal's default precision)
+        ("0.0005000000000000000000000000000000000000001", 1),
+    ]
+    trace_rows = [(f"k{i}", i, str(10 * i), dur) for i, (dur, _) in enumerate(rows)]
+    t = read_trace(_verbatim_trace(tmp_path / "t.json", trace_rows))
+    assert (t.gpu.end_ns - t.gpu.start_ns).tolist() == [ns for _, ns in rows]
+    negative = read_trace(_verbatim_trace(tmp_path / "n.json", [("a", 7, "-0.0015", "1")]))
+    assert negative.gpu.start_ns.tolist() == [-2]  # ties to even on either side of zero
+    ns_rows = [("a", 7, "1700000000123456789.5", "2500.5")]  # ns trace: ties at the unit
+    ns = read_trace(_verbatim_trace(tmp_path / "s.json", ns_rows), time_unit="ns")
+    assert ns.gpu.start_ns.tolist() == [1700000000123456790]
+    assert ns.gpu.end_ns.tolist() == [1700000000123456790 + 2500]
+
+
+def test_times_at_the_int64_bound_and_non_numbers_are_skipped_and_counted(tmp_path):
+    # |ts| and dur must stay below 2**62 ns = 4611686018427387.904 µs, fraction or not
+    rows = [
+        ("below", 7, "4611686018427387.903", "1"),
+        ("at", 7, "4611686018427387.904", "1"),
+        ("beyond", 7, "4611686018427388", "1"),
+        ("nan", 7, '"NaN"', "1"),  # a string decodes as a decimal: NaN is skipped, no crash
+        ("endless", 7, "0", '"Infinity"'),
+    ]
+    t = read_trace(_verbatim_trace(tmp_path / "t.json", rows))
+    assert t.gpu.start_ns.tolist() == [4611686018427387903]
+    assert t.skipped == {"event without ts or with ts beyond int64 ns": 3, "GPU op without dur": 1}
+
+
 def test_nanosecond_traces(tmp_path):
     events = [kernel("a", 1_000_000, 2_500)]
     explicit = read_trace(write_trace(tmp_path / "ns.json", events), time_unit="ns")

@@ -4,17 +4,20 @@ Fast path: msgspec decodes only the fields the model needs (unknown fields and e
 C), then the events are sorted into column arrays. Files over 16 MB are decoded in chunks of events,
 so peak memory stays below about twice the file size. Accepted inputs: a ``.json`` or ``.json.gz`` file
 (object with ``traceEvents`` or a bare event array), or a folder of per-rank files. Timestamps are
-microseconds (integer, or fractional: rounded to the nearest ns) unless the trace is in nanoseconds (see
-:func:`read_trace`). Legacy Kineto category names (``Kernel``, ``Memcpy``, ``Memset``, ``Runtime``,
-``Operator``) are understood.
+microseconds unless the trace is in nanoseconds (see :func:`read_trace`); they become int64 ns exactly as
+written: a fraction is read as a decimal (never through float64, which at epoch-µs magnitudes is only
+0.25 µs fine) and rounded half to even only beyond the ns digit. Legacy Kineto category names
+(``Kernel``, ``Memcpy``, ``Memset``, ``Runtime``, ``Operator``) are understood.
 """
 
 from __future__ import annotations
 
+import decimal
 import gzip
 import re
 import zlib
 from collections.abc import Iterable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,8 +58,9 @@ class _Event(msgspec.Struct, gc=False):
     name: str = ""
     pid: int | str = 0
     tid: int | str = 0
-    ts: int | float | None = None
-    dur: int | float | None = None
+    # A number with a fraction or exponent decodes as an exact Decimal of its text (ints stay ints).
+    ts: int | Decimal | None = None
+    dur: int | Decimal | None = None
     id: Any = None
     args: _Args | None = None
 
@@ -88,7 +92,18 @@ _ARRAY_DECODERS = {
 }
 _EVENTS_DECODER = _ARRAY_DECODERS[False]
 _CHUNK = 8_000  # events per decoded chunk: small chunks keep peak memory low
-_TS_LIMIT_NS = 2.0**62  # |ts| and dur in ns must fit int64 with room for ts + dur
+_TS_LIMIT_NS = 2**62  # |ts| and dur in ns must fit int64 with room for ts + dur
+# Decimal arithmetic for times: exact (no precision limit), and comparing a NaN (from a "NaN" string)
+# is False instead of an error, so such a time fails the range check like an out-of-range one.
+_EXACT = decimal.Context(
+    prec=decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[]
+)
+# Per unit, |value| < _TS_LIMIT_NS ns exactly, as an int bound for ints and a Decimal bound for
+# Decimals (each compares about 3x faster with its own type).
+_LIMITS = {
+    unit: (-(-_TS_LIMIT_NS // scale), Decimal(_TS_LIMIT_NS).scaleb(-digits, _EXACT))
+    for unit, scale, digits in (("us", 1000, 3), ("ns", 1, 0))
+}
 _ONE_PASS_BYTES = 16_000_000  # below this, decode in one pass (faster); above, in chunks
 
 # Category (lower case) -> GPU op kind. Legacy Kineto used "Kernel", "Memcpy", "Memset".
@@ -120,8 +135,9 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto", progress: bool
         path: a ``.json`` / ``.json.gz`` Chrome trace, or a folder holding such files (one per
             rank; the rank comes from ``distributedInfo.rank`` or else the file's sorted position).
         time_unit: unit of ``ts`` / ``dur``. ``"us"`` (the Chrome-trace standard, what Kineto
-            writes; fractional values are rounded to the nearest ns), ``"ns"``, or ``"auto"``: ns only when the
-            file declares ``displayTimeUnit: "ns"`` and is not a Kineto trace (no ``schemaVersion``).
+            writes; fractions are read exactly and rounded half to even beyond the ns digit), ``"ns"``,
+            or ``"auto"``: ns only when the file declares ``displayTimeUnit: "ns"`` and is not a Kineto
+            trace (no ``schemaVersion``).
         progress: show a progress bar over the files of a folder.
 
     Returns:
@@ -266,19 +282,22 @@ def _read_file(file: Path, position: int, time_unit: TimeUnit, collector: _Colle
     return rank
 
 
-def _to_ns(values: list, unit: str) -> np.ndarray:
-    """Timestamps or durations (µs or ns, ints or floats) -> int64 ns.
+def _to_ns(values: list[int | Decimal], unit: str) -> np.ndarray:
+    """Timestamps or durations in ``unit`` (µs or ns) as written -> int64 ns, shape ``[len(values)]``.
 
-    Exact for integers; fractions are rounded to the nearest ns (float64 holds Kineto's
-    trace-relative µs timestamps to better than 1 ns).
+    ``values`` are ints or Decimals (the exact text of a number with a fraction), already checked
+    to be finite and within int64 ns. The result is exact; a fraction finer than 1 ns is rounded
+    half to even (``1700000000123456.789`` µs -> ``1700000000123456789``; ``0.0005`` µs -> 0 ns,
+    ``0.0015`` µs -> 2 ns).
     """
-    arr = np.asarray(values)
+    if not values:
+        return np.zeros(0, dtype=np.int64)
     scale = 1000 if unit == "us" else 1
+    arr = np.asarray(values)
     if arr.dtype.kind in "iu":
         return arr.astype(np.int64) * scale
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.rint(arr.astype(np.float64) * scale).astype(np.int64)
+    with decimal.localcontext(_EXACT):  # exact product; round() of a Decimal is half to even
+        return np.asarray([round(v * scale) for v in values], dtype=np.int64)
 
 
 def _grid_blocks(grid: Any) -> int:
@@ -364,22 +383,27 @@ class _Collector:
         flow_events: list[_Event] = []
         self.events_seen += len(events)
         # times become int64 ns: an event without a ts, or one beyond int64's range, is skipped
-        limit = _TS_LIMIT_NS / (1000 if unit == "us" else 1)
+        limit, dec_limit = _LIMITS[unit]
         unplaced = 0
-        for ev in events:
-            ph = ev.ph
-            if ph != "X" and ph != "s" and ph != "f":
-                continue
-            ts = ev.ts
-            if ts is None or not -limit < ts < limit:
-                unplaced += 1
-            elif ph == "X":
-                bucket = by_cat.get(ev.cat)
-                if bucket is None:
-                    bucket = by_cat[ev.cat] = []
-                bucket.append(ev)
-            else:
-                flow_events.append(ev)
+        with decimal.localcontext(_EXACT):  # a NaN Decimal compares False: skipped, not an error
+            for ev in events:
+                ph = ev.ph
+                if ph != "X" and ph != "s" and ph != "f":
+                    continue
+                ts = ev.ts
+                if not (
+                    -limit < ts < limit
+                    if type(ts) is int
+                    else ts is not None and -dec_limit < ts < dec_limit
+                ):
+                    unplaced += 1
+                elif ph == "X":
+                    bucket = by_cat.get(ev.cat)
+                    if bucket is None:
+                        bucket = by_cat[ev.cat] = []
+                    bucket.append(ev)
+                else:
+                    flow_events.append(ev)
         if unplaced:
             reason = "event without ts or with ts beyond int64 ns"
             skipped[reason] = skipped.get(reason, 0) + unplaced
@@ -394,7 +418,16 @@ class _Collector:
         ann_gpu: list[bool] = []
         for cat, bucket in by_cat.items():
             low = cat.lower()
-            has_dur = [e for e in bucket if e.dur is not None and -limit < e.dur < limit]
+            with decimal.localcontext(_EXACT):
+                has_dur = [
+                    e
+                    for e in bucket
+                    if (
+                        -limit < e.dur < limit
+                        if type(e.dur) is int
+                        else e.dur is not None and -dec_limit < e.dur < dec_limit
+                    )
+                ]
             missing = len(bucket) - len(has_dur)
             kind = _GPU_CATS.get(low)
             if missing:
