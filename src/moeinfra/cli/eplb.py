@@ -188,3 +188,27 @@ def bench(
         repeats=repeats, progress=None if quiet else lambda s: console.log(f"benchmarking {s}")
     )
     typer.echo(json.dumps(rows, indent=2) if as_json else markdown_table(rows))
+
+
+@app.command()
+def warm() -> None:
+    """Compile the EPLB kernels into numba's on-disk cache now (the first plan in a fresh environment
+    otherwise runs them interpreted while a background process compiles them)."""
+    import os
+    import subprocess
+    import sys
+
+    from moeinfra.eplb import jit
+
+    start = time.perf_counter()
+    env = dict(os.environ, **{jit.MODE_ENV: "compiled"})
+    code = "from moeinfra.eplb import jit; print(jit.warm())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InputError(
+            f"compiling the EPLB kernels failed: {proc.stderr.strip().splitlines()[-1]}"
+        )
+    typer.echo(
+        f"EPLB kernels compiled into numba's cache in {time.perf_counter() - start:.1f} s "
+        f"(marker {proc.stdout.strip()})"
+    )

@@ -9,8 +9,9 @@
 * :class:`LoadEstimator` — per-step expert counts to the load to balance (window or EMA).
 * :func:`replica_for_tokens` — which replica serves each routed token.
 
-Depends on numpy and numba (the per-layer greedy and local-search loops are compiled); torch tensors
-are accepted and returned where the DeepSeek contract has them.
+Depends on numpy and numba (the per-layer greedy and local-search loops are compiled, or run
+interpreted while numba's cache is cold: see :mod:`moeinfra.eplb.jit`); torch tensors are accepted
+and returned where the DeepSeek contract has them.
 """
 
 from moeinfra.eplb.deepseek import rebalance_experts

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
 from moeinfra.eplb.inputs import check_layout, like_input, positive_int, to_numpy_load
+from moeinfra.eplb.jit import kernel
 from moeinfra.eplb.packing import descending_order, pack_rows, sift_down
 from moeinfra.errors import InputError
 
@@ -52,7 +52,7 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     return pack_index, rank_in_pack
 
 
-@numba.njit(cache=True)
+@kernel()
 def _replicate_rows(weight, phy2log, rank, logcnt):
     """Per row: each redundant slot to the expert with the largest ``weight / count`` (computed in
     the dtype of ``weight``), lowest index on ties: a min-heap on ``(-weight / count, expert)``."""

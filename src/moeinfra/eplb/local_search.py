@@ -10,11 +10,12 @@ the heaviest GPU, when the move budget is spent, or after ``max_steps``.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from moeinfra.eplb.jit import kernel
 
-@numba.njit(cache=True)
+
+@kernel()
 def _duplicate_rows(phy2log, slots_per_gpu, flags):
     num_layers, num_replicas = phy2log.shape
     for layer in range(num_layers):
@@ -80,7 +81,7 @@ def _swap(phy2log, slot_load, layer, slot_a, slot_b) -> None:
     slot_load[layer, slot_a], slot_load[layer, slot_b] = load_b, load_a
 
 
-@numba.njit(cache=True, inline="always")
+@kernel(inline="always")
 def _holds_expert(phy2log, layer, gpu, slots_per_gpu, expert):
     for slot in range(gpu * slots_per_gpu, (gpu + 1) * slots_per_gpu):
         if phy2log[layer, slot] == expert:
@@ -88,7 +89,7 @@ def _holds_expert(phy2log, layer, gpu, slots_per_gpu, expert):
     return False
 
 
-@numba.njit(cache=True)
+@kernel()
 def _best_swap(phy2log, slot_load, gpu_load, by_load, layer, domain_size, slots_per_gpu, bar):
     """The swap of a slot of the heaviest GPU with a slot of another GPU of its domain that gives
     the lowest pair maximum below ``bar``, keeping both GPUs free of duplicate experts; partners are
@@ -129,7 +130,7 @@ def _best_swap(phy2log, slot_load, gpu_load, by_load, layer, domain_size, slots_
     return best_own, best_other, best_max
 
 
-@numba.njit(cache=True)
+@kernel()
 def _resort(by_load, gpu_load, layer, gpu):
     """Move ``gpu`` to its place in ``by_load[layer]`` (ascending load, ties by index) after its
     load changed."""
@@ -152,7 +153,7 @@ def _resort(by_load, gpu_load, layer, gpu):
     order[at] = gpu
 
 
-@numba.njit(cache=True)
+@kernel()
 def _swap_rows(
     phy2log, slot_load, num_gpus, domain_size, target, min_gain, max_steps, budget, moves
 ):
@@ -309,7 +310,7 @@ def shift_replicas(
     return moves
 
 
-@numba.njit(cache=True)
+@kernel()
 def _shift_layer(
     experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
 ):  # pragma: no cover
@@ -428,7 +429,7 @@ def reassign_duplicates(
     return int(count)
 
 
-@numba.njit(cache=True)
+@kernel()
 def _reassign_rows(phy2log, load, num_gpus, gpus_per_domain, flags):
     num_layers, num_replicas = phy2log.shape
     num_experts = load.shape[1]
@@ -482,7 +483,7 @@ def _reassign_rows(phy2log, load, num_gpus, gpus_per_domain, flags):
     return reassigned
 
 
-@numba.njit(cache=True, inline="always")
+@kernel(inline="always")
 def _heaviest(experts, load, counts, per_gpu, gpu_load):
     """Heaviest GPU of one layer, each slot carrying its expert's load over its replica count."""
     gpu_load[:] = 0.0

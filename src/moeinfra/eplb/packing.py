@@ -7,11 +7,12 @@ They produce a starting placement that :mod:`local_search` improves.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from moeinfra.eplb.jit import kernel
 
-@numba.njit(cache=True, inline="always")
+
+@kernel(inline="always")
 def _gets_replica_first(load, count, a, b):
     """Whether expert ``a`` precedes ``b`` for the next replica: larger load per replica, then
     fewer replicas, then lower index (cross-multiplied: ``load / count`` without division)."""
@@ -21,7 +22,7 @@ def _gets_replica_first(load, count, a, b):
     return count[a] < count[b] or (count[a] == count[b] and a < b)
 
 
-@numba.njit(cache=True, inline="always")
+@kernel(inline="always")
 def _sift_experts(heap, size, load, count, parent):
     while True:
         first, left, right = parent, 2 * parent + 1, 2 * parent + 2
@@ -35,7 +36,7 @@ def _sift_experts(heap, size, load, count, parent):
         parent = first
 
 
-@numba.njit(cache=True)
+@kernel()
 def _replicate_rows(load, num_slots, max_per_expert, counts):
     num_layers, num_experts = load.shape
     heap = np.empty(num_experts, dtype=np.int64)
@@ -106,7 +107,7 @@ def descending_order(values: np.ndarray) -> np.ndarray:
     return np.sort(keys, axis=1) & ((1 << index_bits) - 1)
 
 
-@numba.njit(cache=True)
+@kernel()
 def sift_down(keys, ids, size, parent):
     """Restore the min-heap on ``(keys, ids)`` below ``parent`` (ties: lower id first)."""
     key, item = keys[parent], ids[parent]
@@ -126,7 +127,7 @@ def sift_down(keys, ids, size, parent):
     keys[parent], ids[parent] = key, item
 
 
-@numba.njit(cache=True)
+@kernel()
 def _sift_up(keys, ids, child):
     key, item = keys[child], ids[child]
     while child > 0:
@@ -138,7 +139,7 @@ def _sift_up(keys, ids, child):
     keys[child], ids[child] = key, item
 
 
-@numba.njit(cache=True)
+@kernel()
 def _holds(bin_groups, filled, b, group):
     for k in range(filled[b]):  # noqa: SIM110 (numba compiles no generator expressions)
         if bin_groups[b, k] == group:
@@ -146,7 +147,7 @@ def _holds(bin_groups, filled, b, group):
     return False
 
 
-@numba.njit(cache=True)
+@kernel()
 def pack_rows(item_load, item_group, order, num_bins, bins):
     """Lightest-open-bin greedy per layer, bin loads summed in the dtype of ``item_load``; writes
     ``bins [L, num_bins, n / num_bins]``. Open bins sit in a min-heap on (load, bin)."""

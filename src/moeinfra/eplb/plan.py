@@ -10,11 +10,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numba
 import numpy as np
 
 from moeinfra.atomicio import atomic_path
 from moeinfra.eplb.inputs import Layout, check_layout
+from moeinfra.eplb.jit import kernel
 from moeinfra.errors import InputError
 
 
@@ -193,7 +193,7 @@ def gpu_loads(
     return slots.reshape(slots.shape[0], num_gpus, -1).sum(axis=2)
 
 
-@numba.njit(cache=True)
+@kernel()
 def _plan_rows(phy2log, load, num_gpus, logcnt, log2phy, gpu_load):
     """Per layer: replica counts, each expert's slots in slot order (rest -1), GPU loads."""
     num_layers, num_replicas = phy2log.shape
