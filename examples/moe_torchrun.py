@@ -34,9 +34,9 @@ from moeinfra.moe.timeline import Recorder, overlap, write_chrome_trace
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--redundant", type=int, default=0)
     parser.add_argument("--overlap", default="prefill", choices=["none", "prefill", "decode"])
     parser.add_argument("--steps", type=int, default=5)

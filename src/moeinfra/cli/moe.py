@@ -21,16 +21,19 @@ def run(
         2, "--world-size", "-n", help="Local gloo processes (EP ranks)."
     ),
     preset: str = typer.Option(
-        "tiny", "--preset", help="Model sizes: tiny (deepseek_v3 is refused: 46 GB per process)."
+        "small",
+        "--preset",
+        help="Model sizes: small (512-wide experts), tiny (32-wide: too little compute to hide an "
+        "exchange behind); deepseek_v3 is refused (46 GB per process).",
     ),
-    tokens: int = typer.Option(256, "--tokens", help="Tokens per rank (each rank's own batch)."),
+    tokens: int = typer.Option(1024, "--tokens", help="Tokens per rank (each rank's own batch)."),
     redundant: int = typer.Option(0, "--redundant", help="Redundant expert slots per layer."),
     overlap: str = typer.Option("none", "--overlap", help="none, prefill or decode."),
     delay_ms: float = typer.Option(
         0.0, "--delay-ms", help="Injected delay per dispatch/combine exchange, ms."
     ),
-    seq_len: int = typer.Option(64, "--seq-len", help="Tokens per sequence."),
-    steps: int = typer.Option(3, "--steps", help="Timed steps (median reported)."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per sequence."),
+    steps: int = typer.Option(7, "--steps", help="Timed steps (median and spread reported)."),
     seed: int = typer.Option(0, "--seed", help="Seed of weights and tokens."),
     trace: Path | None = typer.Option(
         None, "--trace", help="Write a Chrome-trace timeline (compute/comm per rank) here."
@@ -67,6 +70,11 @@ def run(
     ):
         table.add_row(str(rank), f"{t * 1e3:.2f}", "-" if f is None else f"{f:.1%}")
     console.print(table)
+    steps_ms = [t * 1e3 for t in result["step_times_s"]]
+    console.print(
+        f"step time, slowest rank: median {result['step_time_s'] * 1e3:.2f} ms "
+        f"(min {min(steps_ms):.2f}, max {max(steps_ms):.2f} over {len(steps_ms)} steps)"
+    )
     load = result["expert_load"]
     console.print(f"expert load (layer 0, tokens per expert): {load[0]}")
     console.print(f"max abs error vs reference: {result['max_abs_error_vs_reference']:.3g}")

@@ -1,6 +1,6 @@
 """Expert-parallel DeepSeek-V3 MoE on ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-* :class:`MoEConfig`, :func:`deepseek_v3`, :func:`tiny` — the model's knobs.
+* :class:`MoEConfig`, :func:`deepseek_v3`, :func:`tiny`, :func:`small` — the model's knobs.
 * :class:`Gate` / :func:`route` — sigmoid scores, selection-only bias, group-limited top-k.
 * :class:`MoE` — the single-process reference (SwiGLU routed experts + shared expert).
 * :class:`Decoder` — small DeepSeek-V3 decoder (MLA attention + MoE) for the overlap schedules.
@@ -16,7 +16,7 @@ Needs torch (``pip install moeinfra[torch]``).
 
 from moeinfra.moe.block import Decoder, DecoderBlock, build_decoder
 from moeinfra.moe.comm import Communicator, Pending
-from moeinfra.moe.config import MoEConfig, deepseek_v3, preset, tiny
+from moeinfra.moe.config import MoEConfig, deepseek_v3, preset, small, tiny
 from moeinfra.moe.expert_parallel import ExpertParallelMoE, load_matrix
 from moeinfra.moe.gate import Gate, route
 from moeinfra.moe.launch import launch
@@ -55,6 +55,7 @@ __all__ = [
     "run",
     "schedule",
     "split_micro_batches",
+    "small",
     "tiny",
     "write_chrome_trace",
 ]

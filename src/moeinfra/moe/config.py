@@ -177,11 +177,19 @@ def tiny() -> MoEConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "deepseek_v3": deepseek_v3}
+def small() -> MoEConfig:
+    """``tiny`` with 512-wide experts: at ~1,000 tokens per rank a micro-batch's expert compute takes
+    longer than a few-ms exchange, as in DeepSeek-V3's prefill, so dual micro-batch overlap has
+    compute to hide communication behind (``tiny``'s 32-wide experts are all per-op overhead on a
+    CPU). ``moeinfra moe run``'s default."""
+    return tiny().replace(moe_intermediate_size=512)
+
+
+PRESETS = {"tiny": tiny, "small": small, "deepseek_v3": deepseek_v3}
 
 
 def preset(name: str) -> MoEConfig:
-    """Config by preset name (``tiny`` or ``deepseek_v3``)."""
+    """Config by preset name (``tiny``, ``small`` or ``deepseek_v3``)."""
     if name not in PRESETS:
         raise InputError(f"preset={name!r} is not known; use one of {sorted(PRESETS)}")
     return PRESETS[name]()

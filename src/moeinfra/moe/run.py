@@ -32,19 +32,21 @@ class RunConfig:
     """One run. ``tokens``: tokens per rank (data-parallel attention: each rank has its own batch),
     cut into sequences of ``seq_len``. ``redundant``: extra physical expert slots per layer.
     ``delay_s``: injected delay per dispatch/combine exchange (see :mod:`moeinfra.moe.comm`).
-    ``steps``: timed steps (the median is reported) after one warm-up step. ``bias_scale``: spread of
+    ``steps``: timed steps (the median and the spread are reported) after one warm-up step. The
+    defaults (``small`` preset, 1,024 tokens per rank) are sized so that overlap has compute to hide
+    an exchange of a few ms behind; with ``tiny`` at 256 tokens it has not (docs/benchmarks.md). ``bias_scale``: spread of
     the gate's selection bias, which makes the expert load uneven (so EPLB has work to do).
     ``layers``: decoder blocks (default: the preset's). ``overrides``: other ``MoEConfig`` fields to
     change, as ``(name, value)`` pairs."""
 
     world_size: int = 2
-    preset: str = "tiny"
-    tokens: int = 256
+    preset: str = "small"
+    tokens: int = 1024
     redundant: int = 0
     overlap: str = "none"
     delay_s: float = 0.0
-    seq_len: int = 64
-    steps: int = 3
+    seq_len: int = 128
+    steps: int = 7
     seed: int = 0
     bias_scale: float = 0.3
     layers: int | None = None
@@ -158,7 +160,7 @@ def run_rank(run: RunConfig) -> dict:
     estimator.record(load)
     err_before = error(out)
 
-    times, events = [], []
+    times, slowest, events = [], [], []
     for _ in range(run.steps):
         recorder.clear()
         recorder.enabled = True
@@ -168,6 +170,9 @@ def run_rank(run: RunConfig) -> dict:
         times.append(time.perf_counter() - start)
         recorder.enabled = False
         events = list(recorder.events)
+        step = torch.tensor(times[-1], dtype=torch.float64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        slowest.append(float(step))
     ov = overlap(events)
 
     plan1 = rebalance(estimator.load(), num_slots, config.num_expert_groups, 1, world)
@@ -177,6 +182,7 @@ def run_rank(run: RunConfig) -> dict:
     return {
         "rank": rank,
         "time_s": statistics.median(times),
+        "step_times_s": slowest,
         "max_abs_error_vs_reference": err_before,
         "max_abs_error_after_rebalance": err_after,
         "expert_load": load.tolist(),
@@ -193,8 +199,9 @@ def run_rank(run: RunConfig) -> dict:
 def run(run: RunConfig, *, trace_path=None, timeout_s: float = 300.0) -> dict:
     """Launch ``run.world_size`` local gloo ranks and summarise (the CLI's ``--json`` fields).
 
-    Returns ``world_size, tokens, overlap, max_abs_error_vs_reference, per_rank_time_s,
-    expert_load ([L][E], summed over ranks), balancedness_before, balancedness_after,
+    Returns ``world_size, tokens, overlap, max_abs_error_vs_reference, per_rank_time_s`` (median
+    per rank), ``step_times_s`` (the slowest rank's time of every timed step), ``step_time_s`` (their
+    median), ``expert_load ([L][E], summed over ranks), balancedness_before, balancedness_after,
     comm_hidden_fraction`` (|comm ∩ compute| / |comm| summed over ranks; None without communication)
     and more. Writes a Chrome trace to ``trace_path`` when given.
     """
@@ -217,6 +224,8 @@ def run(run: RunConfig, *, trace_path=None, timeout_s: float = 300.0) -> dict:
         "max_abs_error_vs_reference": max(r["max_abs_error_vs_reference"] for r in ranks),
         "max_abs_error_after_rebalance": max(r["max_abs_error_after_rebalance"] for r in ranks),
         "per_rank_time_s": [r["time_s"] for r in ranks],
+        "step_times_s": ranks[0]["step_times_s"],
+        "step_time_s": statistics.median(ranks[0]["step_times_s"]),
         "expert_load": ranks[0]["expert_load"],
         "balancedness_before": ranks[0]["balancedness_before"],
         "balancedness_after": ranks[0]["balancedness_after"],
@@ -242,8 +251,8 @@ def measure_rank(
     """Step times of every (mode, delay) on this rank, interleaved over ``reps`` repetitions.
 
     Each step starts after a barrier; its time is the slowest rank's (all-reduced max). Returns
-    ``{"mode/delay": {"times_s": [reps], "compute_s", "comm_s", "overlap_s"}}`` (interval sums of the
-    last repetition, this rank).
+    ``{"mode/delay": {"times_s", "compute_s", "comm_s", "overlap_s"}}``, each a list over the
+    repetitions (``compute_s`` / ``comm_s`` / ``overlap_s``: this rank's interval sums).
     """
     import torch
     import torch.distributed as dist
@@ -266,7 +275,7 @@ def measure_rank(
     model = ExpertParallelDecoder(decoder, plan, comm)
     x = rank_inputs(config, run.tokens, rank, run.seed)
     segments = segments_for(run.tokens, run.seq_len)
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, list[float]]] = {}
     for mode in modes:  # warm-up
         model(x, segments, mode)
     for _ in range(reps):
@@ -280,8 +289,13 @@ def measure_rank(
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 ov = overlap(recorder.events)
-                entry = results.setdefault(f"{mode}/{delay}", {"times_s": []})
+                entry = results.setdefault(
+                    f"{mode}/{delay}",
+                    {"times_s": [], "compute_s": [], "comm_s": [], "overlap_s": []},
+                )
                 entry["times_s"].append(float(elapsed))
-                entry.update(compute_s=ov.compute_s, comm_s=ov.comm_s, overlap_s=ov.overlap_s)
+                entry["compute_s"].append(ov.compute_s)
+                entry["comm_s"].append(ov.comm_s)
+                entry["overlap_s"].append(ov.overlap_s)
     comm.close()
     return results
