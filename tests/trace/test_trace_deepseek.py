@@ -195,3 +195,25 @@ def test_cli_phase_pattern_pairs_attention_with_combine(deepseek_trace_path):
     assert over["combine"]["attn"] > 0.95 * dev["phases"]["combine"]["comm_us"]
     assert over["dispatch"]["mlp"] > 0.95 * dev["phases"]["dispatch"]["comm_us"]
     assert over["combine"]["mlp"] == over["dispatch"]["attn"] == 0
+
+
+def test_profiler_step_idle_launches_queue(deepseek, deepseek_trace_path):
+    from moeinfra.trace import idle_breakdown, launch_stats, list_steps, queue_summary
+
+    trace = deepseek.trace
+    (step,) = list_steps(trace)
+    assert (step.step, step.gpu_ops, step.last) == (1, len(trace.gpu), True)
+    one = analyze(deepseek_trace_path, step=1)
+    assert one.to_dict()["devices"][0]["span_us"] == deepseek.to_dict()["devices"][0]["span_us"]
+    (dev,) = deepseek.devices
+    assert sum(dev.idle.idle_ns) == dev.decomposition.idle_ns  # 497 µs
+    assert dev.to_dict()["idle_breakdown"] == {
+        "host_wait_us": 42.0,
+        "kernel_wait_us": 455.0,
+        "other_us": 0.0,
+    }
+    devices, streams = idle_breakdown(trace)
+    assert {s.stream for s in streams} == {7, 23, 27}
+    (launches,) = launch_stats(trace)
+    assert launches.launches <= launches.gpu_ops == len(trace.gpu)
+    assert {q.stream for q in queue_summary(trace)} <= {7, 23, 27}

@@ -37,12 +37,12 @@ def kernel(
     return event
 
 
-def launch(ts: float, corr: int, tid: int = 1, dur: float = 1):
-    """A cudaLaunchKernel runtime event with a correlation id."""
+def launch(ts: float, corr: int, tid: int = 1, dur: float = 1, name: str = "cudaLaunchKernel"):
+    """A runtime event (default cudaLaunchKernel) with a correlation id."""
     return {
         "ph": "X",
         "cat": "cuda_runtime",
-        "name": "cudaLaunchKernel",
+        "name": name,
         "pid": 100,
         "tid": tid,
         "ts": ts,

@@ -7,6 +7,10 @@ Reads PyTorch Profiler (Kineto) Chrome traces without torch. One shared model
 - :mod:`~moeinfra.trace.overlap`   — per-device decomposition (compute + exposed comm + exposed memory + idle = span), SM share
 - :mod:`~moeinfra.trace.attribution` — op -> launch -> innermost annotation; F/B/W phases and phase_overlap
 - :mod:`~moeinfra.trace.kernels`   — kernel statistics
+- :mod:`~moeinfra.trace.iterations` — ProfilerStep#N windows; one step as a Trace (``select_step``)
+- :mod:`~moeinfra.trace.idle`      — idle time: host wait / kernel wait / other, per device and stream
+- :mod:`~moeinfra.trace.launches`  — kernel-launch statistics: launch delay, short kernels, outliers
+- :mod:`~moeinfra.trace.queue`     — queue length per stream over time
 - :mod:`~moeinfra.trace.diff`      — two traces side by side
 - :mod:`~moeinfra.trace.timeline`  — timeline PNG
 
@@ -29,11 +33,15 @@ from moeinfra.trace.classify import (
     classify,
 )
 from moeinfra.trace.diff import TraceDiff, diff_reports
+from moeinfra.trace.idle import IdleBreakdown, idle_breakdown
+from moeinfra.trace.iterations import Step, list_steps, select_step
 from moeinfra.trace.kernels import KernelStats, kernel_breakdown
+from moeinfra.trace.launches import LaunchSummary, launch_stats
 from moeinfra.trace.model import Trace
 from moeinfra.trace.overlap import Decomposition, decompose
+from moeinfra.trace.queue import QueueSummary, queue_series, queue_summary
 from moeinfra.trace.reader import read_trace
-from moeinfra.trace.summary import TraceReport, analyze
+from moeinfra.trace.summary import TraceReport, analyze, step_breakdown
 
 __all__ = [
     "CLASS_NAMES",
@@ -44,8 +52,12 @@ __all__ = [
     "Attribution",
     "Classifier",
     "Decomposition",
+    "IdleBreakdown",
     "KernelStats",
+    "LaunchSummary",
+    "QueueSummary",
     "Rule",
+    "Step",
     "Trace",
     "TraceDiff",
     "TraceReport",
@@ -54,8 +66,15 @@ __all__ = [
     "classify",
     "decompose",
     "diff_reports",
+    "idle_breakdown",
     "kernel_breakdown",
+    "launch_stats",
+    "list_steps",
     "phase_breakdown",
+    "queue_series",
+    "queue_summary",
     "read_trace",
     "region_breakdown",
+    "select_step",
+    "step_breakdown",
 ]
