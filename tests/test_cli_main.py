@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,17 @@ def test_every_group_still_runs_through_the_console_entry():
         result = run_cli(name, "--help")
         assert result.returncode == 0 and "Commands" in result.stdout, (name, result.stderr)
     assert "up" in run_cli("serve", "--help").stdout  # the live server's commands too
+
+
+def test_python_dash_m_moeinfra_is_the_moeinfra_command():
+    as_module = subprocess.run(
+        [sys.executable, "-m", "moeinfra", "eplb", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert as_module.returncode == 0, as_module.stderr
+    assert "Usage: python -m moeinfra eplb" in as_module.stdout
+    commands = lambda text: re.findall(r"^│ (\w+) ", text, flags=re.M)  # noqa: E731
+    assert commands(as_module.stdout) == commands(run_cli("eplb", "--help").stdout)
+    assert "warm" in commands(as_module.stdout)

@@ -1,22 +1,17 @@
-"""The digitised DeepSeek day embedded in moeinfra.serving equals the CSVs in ../shared/data."""
+"""The digitised DeepSeek day embedded in moeinfra.serving equals the CSVs in examples/data."""
 
 import csv
 from pathlib import Path
-
-import pytest
 
 from moeinfra.serving.scenario import PUBLISHED_HOURLY_INCOME
 from moeinfra.serving.schedule import DEEPSEEK_DAY_STEPS
 from moeinfra.serving.workload import DEEPSEEK_DAY_DEMAND
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
 
 def _rows(name: str) -> list[dict[str, str]]:
-    path = DATA / name
-    if not path.exists():
-        pytest.skip(f"{path} not found (the shared data folder sits beside the repository)")
-    with path.open() as handle:
+    with (DATA / name).open() as handle:
         return list(csv.DictReader(handle))
 
 

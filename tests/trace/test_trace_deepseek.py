@@ -19,13 +19,7 @@ from moeinfra.trace.attribution import UNATTRIBUTED
 
 @pytest.fixture(scope="module")
 def deepseek_trace_path():
-    # The shared data folder sits beside the repository root.
-    path = (
-        Path(__file__).resolve().parents[2].parent / "shared" / "data" / "deepseek_train_trace.json"
-    )
-    if not path.exists():
-        pytest.skip(f"{path} not available")
-    return path
+    return Path(__file__).resolve().parents[2] / "examples" / "data" / "deepseek_train_trace.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Trace section of the demo report: DeepSeek's published training trace, analysed by moeinfra.trace.
 
-Reads ``shared/data/deepseek_train_trace.json`` from the ``shared`` folder beside the repository
-root; when it is missing the section says so instead of failing.
+Reads ``examples/data/deepseek_train_trace.json`` of the repository (shipped with it); when it is
+missing (an installed package without the repository) the section says so instead of failing.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from moeinfra.report.page import Section, figure_html, table_html
 
 DEEPSEEK_TRACE = (
-    Path(__file__).resolve().parents[3].parent / "shared" / "data" / "deepseek_train_trace.json"
+    Path(__file__).resolve().parents[3] / "examples" / "data" / "deepseek_train_trace.json"
 )
 
 _OP_PATTERN = r"^(?P<phase>attn|mlp|dispatch|combine)\("
@@ -117,6 +117,6 @@ def build(out_dir: Path, trace_path: Path | None = None) -> Section:
         + op_matrix
         + "<h3>Where communication is exposed</h3>"
         + regions
-        + "<p>Reproduce: <code>moeinfra trace report ../shared/data/deepseek_train_trace.json -o timeline.png</code></p>"
+        + "<p>Reproduce: <code>moeinfra trace report examples/data/deepseek_train_trace.json -o timeline.png</code></p>"
     )
     return Section("trace", _TITLE, body)
