@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint setup clean
+.PHONY: demo test bench lint docs setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,9 +24,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) report
+	rm -rf $(VENV) report site

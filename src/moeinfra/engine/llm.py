@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -38,7 +39,7 @@ class LLM:
     Args:
         model: Hugging Face checkpoint folder (``config.json``, safetensors, tokenizer).
         ranks: ranks of the unit (spawned processes when > 1); None inside ``torchrun``: the job's.
-        engine options: see :class:`~moeinfra.engine.core.EngineConfig` (``block_size``,
+        **engine_options: see :class:`~moeinfra.engine.core.EngineConfig` (``block_size``,
             ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``,
             ``redundant_experts``, ``eplb_interval``, ``eplb_window``, ``overlap``,
             ``enable_prefix_caching``).
@@ -53,7 +54,7 @@ class LLM:
         *,
         comm_delay_s: float = 0.0,
         timeout_s: float = 300.0,
-        **engine_options,
+        **engine_options: Any,
     ) -> None:
         self.model_dir = Path(model) if model is not None else default_model()
         raw = read_config(self.model_dir)  # a bad folder fails here, naming the file

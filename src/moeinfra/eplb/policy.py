@@ -365,14 +365,18 @@ def rebalance(
     Args:
         load: ``[L, E]`` expert loads (tokens per expert; numpy or torch).
         num_replicas: physical slots per layer, a multiple of ``num_gpus`` and ``>= E``.
-        num_groups: expert groups (``E % num_groups == 0``). num_nodes, num_gpus: hardware.
+        num_groups: expert groups (``E % num_groups == 0``).
+        num_nodes: nodes of the hardware.
+        num_gpus: GPUs of the hardware (a multiple of ``num_nodes``).
         policy: ``"auto"`` (default), ``"hierarchical"``, ``"global"`` or ``"deepseek"`` (module doc).
         previous: a plan to migrate from (same layout); keeps replicas in place unless moving pays.
         max_moves: with ``previous``, cap on the number of slots that change, over all layers.
         min_gain: with ``previous``, a swap must lower the heaviest GPU by this fraction of its load.
         tolerance: a layer's search stops once its heaviest GPU is within this fraction of the lower
             bound (:func:`moeinfra.eplb.lower_bound`); 0 searches until no swap helps.
-        traffic_weight, groups_per_token, experts_per_token: ``auto``'s cost model (module doc).
+        traffic_weight: ``auto``'s communication/compute weight (module doc).
+        groups_per_token: ``auto``'s cost model: groups a token may use (default: the layout's).
+        experts_per_token: ``auto``'s cost model: routed experts per token.
     Returns:
         A :class:`Plan`; ``plan.metrics`` holds ``layer_policy`` (per layer) or, when migrating, ``moves``.
     """

@@ -25,10 +25,15 @@ class MoEConfig:
         scoring: ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"`` (DeepSeek-V2).
         norm_topk_prob: normalise the top-k weights to sum to 1 before scaling (None: as DeepSeek's
             reference gate, with sigmoid scoring only).
-        num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-        v_head_dim: MLA sizes (low-rank q and kv compression, decoupled RoPE dims).
+        num_attention_heads: MLA heads.
+        q_lora_rank: MLA's low-rank q compression.
+        kv_lora_rank: MLA's low-rank kv compression (the latent cached per token).
+        qk_nope_head_dim: per-head q/k dims without RoPE.
+        qk_rope_head_dim: decoupled RoPE dims per head (the RoPE key is cached per token).
+        v_head_dim: per-head value dims.
         num_layers: decoder blocks in the small model used by the overlap schedules.
-        rope_theta: RoPE base. rope_scaling: YaRN extension (None: plain RoPE).
+        rope_theta: RoPE base.
+        rope_scaling: YaRN extension (None: plain RoPE).
         rope_interleave: RoPE pairs are adjacent dims (DeepSeek's layout) rather than halves.
         rms_norm_eps: RMSNorm epsilon.
     """

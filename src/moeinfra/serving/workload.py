@@ -39,8 +39,10 @@ class Workload:
     """Sampled requests, sorted by arrival.
 
     Attributes:
-        arrival_s: ``[n]`` seconds from the start. input_tokens, output_tokens, cached_tokens: ``[n]``
-        int64 (cached = prompt prefix found in the KV cache, ``< input_tokens``).
+        arrival_s: ``[n]`` seconds from the start.
+        input_tokens: ``[n]`` int64 prompt tokens.
+        output_tokens: ``[n]`` int64 generated tokens.
+        cached_tokens: ``[n]`` int64 prompt prefix found in the KV cache (``< input_tokens``).
         scale: real requests each sampled request stands for (1 for a replayed trace).
         duration_s: length of the window the workload covers.
     """
