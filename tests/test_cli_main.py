@@ -62,3 +62,51 @@ def test_python_dash_m_moeinfra_is_the_moeinfra_command():
     commands = lambda text: re.findall(r"^│ (\w+) ", text, flags=re.M)  # noqa: E731
     assert commands(as_module.stdout) == commands(run_cli("eplb", "--help").stdout)
     assert "warm" in commands(as_module.stdout)
+
+
+def test_usage_errors_are_one_line_exit_2_without_the_usage_box(tmp_path):
+    """Missing or extra arguments, missing options, unknown options and out-of-range values of any
+    command: one line on stderr naming what was wrong, exit code 2, no box, no traceback."""
+    trace = tmp_path / "a.json"
+    trace.write_text("[]")
+    cases = [
+        (
+            ("trace", "diff", str(trace)),
+            "error: missing argument 'B' (usage: python -m moeinfra.cli trace diff [OPTIONS] A B)",
+        ),
+        (
+            ("trace", "diff", str(trace), str(trace), "c"),
+            "error: got unexpected extra argument(s) (c) (usage: python -m moeinfra.cli trace diff [OPTIONS] A B)",
+        ),
+        (("serve", "plan"), "error: missing option '--workload'"),
+        (("eplb", "bench", "--repeats", "0"), "error: --repeats=0: input should be greater than"),
+        (("eplb", "bench", "--repeats=x"), "error: --repeats=x: input should be a valid integer"),
+        (("eplb", "bench", "--repets", "2"), "error: no such option: --repets (did you mean"),
+        (("eplb", "plan", "--load"), "error: option '--load' requires an argument"),
+        (
+            ("eplb", "nope"),
+            "error: no such command 'nope' (commands: plan, eval, show, bench, warm)",
+        ),
+        (("pipeline", "simulate", "-s", "1f1b", "-r", "x"), "error: --ranks=x: input should be"),
+        (("no-such-command",), "error: no such command 'no-such-command' (commands: demo, engine"),
+    ]
+    for args, message in cases:
+        result = run_cli(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.startswith(message), (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert "╭" not in result.stderr and "Usage:" not in result.stderr
+        assert result.stdout == ""
+
+
+def test_help_and_a_bare_group_keep_their_output_and_exit_codes():
+    assert run_cli("eplb", "bench", "--help").returncode == 0
+    bare = run_cli("eplb")  # no command: the group's help, exit 2 as click does
+    assert bare.returncode == 2 and "Commands" in bare.stdout and "error" not in bare.stderr
+
+
+def test_a_missing_file_from_the_library_is_one_line_without_errno():
+    from moeinfra.cli.main import _error_text
+
+    text = _error_text(FileNotFoundError(2, "No such file or directory", "x.json"))
+    assert text == "x.json: no such file or directory"

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -116,7 +117,99 @@ def test_missing_load_file_is_a_clear_error(tmp_path):
     result = cli(
         "plan", "--load", str(tmp_path / "nope.npy"), *EXAMPLE_ARGS, "-o", str(tmp_path / "p.npz")
     )
-    assert result.returncode == 2 and "does not exist" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: --load={tmp_path / 'nope.npy'}: no such file"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("eval", "--plan", "missing.npz", "--load", "load.npy"), "--plan=missing.npz: no such file"),
+        (("eval", "--plan", "folder", "--load", "load.npy"), "--plan=folder: is a folder"),
+        (("eval", "--plan", "plan.npz", "--load", "folder"), "--load=folder: is a folder"),
+        (("show", "--plan", "plan.npz", "-o", "folder"), "--out=folder: is a folder"),
+        (("plan", "--load", "load.npy", *EXAMPLE_ARGS, "-o", "load.npy/p.npz"),
+         "--out=load.npy/p.npz: load.npy is a file, not a folder"),
+        (("plan", "--load", "load.npy", *EXAMPLE_ARGS, "--previous", "old.npz", "-o", "p.npz"),
+         "--previous=old.npz: no such file"),
+    ],
+)  # fmt: skip
+def test_file_options_name_the_option_and_the_problem(tmp_path, args, message):
+    (tmp_path / "folder").mkdir()
+    np.save(tmp_path / "load.npy", EXAMPLE_WEIGHT)
+    assert cli("plan", "--load", str(tmp_path / "load.npy"), *EXAMPLE_ARGS, "-o",
+               str(tmp_path / "plan.npz")).returncode == 0  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "eplb", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {message}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
+    """(Checked through ``os.access``: the tests may run as root, who reads everything.)"""
+    import os
+
+    from moeinfra.cli.options import input_file
+    from moeinfra.errors import InputError
+
+    path = tmp_path / "load.npy"
+    path.write_bytes(b"")
+    monkeypatch.setattr(os, "access", lambda *_: False)
+    with pytest.raises(
+        InputError, match=r"^--load=.*load\.npy: not readable \(permission denied\)$"
+    ):
+        input_file(path, "--load")
+
+
+def test_bench_progress_is_a_clean_bar_on_a_terminal_and_silent_otherwise():
+    """On a terminal: a tqdm bar on stderr naming the configuration (no logging file:line
+    column), cleared at the end; not a terminal, or --quiet: nothing on stderr. The table is on
+    stdout either way."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    def bench(*flags: str, tty: bool) -> tuple[str, str]:
+        if not tty:
+            result = cli("bench", "--repeats", "1", *flags)
+            assert result.returncode == 0, result.stderr
+            return result.stdout, result.stderr
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moeinfra.cli", "eplb", "bench", "--repeats", "1", *flags],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+        )
+        os.close(slave)
+        err = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            err += chunk
+        os.close(master)
+        out = proc.stdout.read().decode()
+        assert proc.wait(timeout=120) == 0, err
+        return out, err.decode(errors="replace")
+
+    out, err = bench(tty=True)
+    assert out.startswith("| deployment |") and "prefill / zipf" in err and "config" in err
+    assert not re.search(r"\w+\.py:\d+", err), err
+    assert err.endswith("\r")  # the bar is cleared: nothing left on the terminal
+    for flags, tty in (((), False), (("--quiet",), True)):
+        out, err = bench(*flags, tty=tty)
+        assert out.startswith("| deployment |") and err == "", (flags, err)
 
 
 def test_read_load_formats(tmp_path):

@@ -88,3 +88,43 @@ def test_schedule_command():
     assert ops[:4] == ["ATTN(mb1)L0", "DISPATCH(mb1)L0", "ATTN(mb0)L0", "DISPATCH(mb0)L0"]
     table = CliRunner().invoke(app, ["schedule", "--overlap", "decode"])
     assert table.exit_code == 0 and "ATTN1(mb1)L0" in table.stdout
+
+
+def test_run_prints_the_torchrun_command_and_trace_path_unwrapped(monkeypatch, tmp_path):
+    """The lines meant to be pasted (the torchrun command, the trace path) are never wrapped to
+    the terminal's width."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    from moeinfra.cli.moe import app
+    from moeinfra.moe.run import RunConfig
+
+    moe_run = importlib.import_module(
+        "moeinfra.moe.run"
+    )  # the module (moeinfra.moe.run: a function)
+
+    command = RunConfig(world_size=2, preset="tiny", tokens=96).torchrun_command()
+    trace = tmp_path / ("a-rather-long-folder-name-" * 3) / "moe.json"
+    result = {
+        "per_rank_time_s": [0.01, 0.011],
+        "per_rank_comm_hidden_fraction": [0.5, None],
+        "step_times_s": [0.011],
+        "step_time_s": 0.011,
+        "expert_load": [[1, 2, 3]],
+        "max_abs_error_vs_reference": 1e-7,
+        "experts_migrated": 0,
+        "max_abs_error_after_rebalance": 1e-7,
+        "balancedness_before": 0.9,
+        "balancedness_after": 0.95,
+        "comm_hidden_fraction": 0.5,
+        "torchrun_command": command,
+        "trace": str(trace),
+    }
+    monkeypatch.setattr(moe_run, "run", lambda config, trace_path, timeout_s: result)
+    monkeypatch.setenv("COLUMNS", "60")
+    out = CliRunner().invoke(app, ["run", "--trace", str(trace)])
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert len(command) > 60 and f"same run under torchrun: {command}" in lines
+    assert f"trace written to {trace}" in lines

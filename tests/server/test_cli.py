@@ -17,8 +17,9 @@ import pytest
         (["serve", "unit", "--server", "tcp://h:1", "--role", "judge"], "--role='judge'"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
-        (["serve", "up", "--unit-timeout", "0.5"], "--unit-timeout=0.5"),
-        (["serve", "up", "--drain-timeout", "-1"], "--drain-timeout=-1.0"),
+        (["serve", "up", "--unit-timeout", "500ms"], "--unit-timeout=0.5"),
+        (["serve", "up", "--drain-timeout", "-1s"], "--drain-timeout=-1.0"),
+        (["serve", "up", "--drain-timeout", "30"], "--drain-timeout=30 needs a unit"),
         (["serve", "calibrate"], "exactly one of --url"),
         (
             ["serve", "calibrate", "--url", "http://x", "--measurements", "m"],
@@ -26,7 +27,7 @@ import pytest
         ),
         (["serve", "calibrate", "--url", "http://127.0.0.1:9"], "--url="),
         (["serve", "calibrate", "--measurements", "missing.json"], "--measurements="),
-        (["serve", "model", "--calibration", "missing.json"], "--calibration='missing.json'"),
+        (["serve", "model", "--calibration", "missing.json"], "--calibration=missing.json"),
         (["serve", "simulate", "--calibration", "none", "--tick", "0s"], "--tick='0s'"),
     ],
 )
@@ -37,3 +38,14 @@ def test_bad_input_is_one_line_and_exit_2(args, names):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_unit_command_passes_the_comm_delay_with_its_unit(tmp_path):
+    """``serve up --comm-delay 2ms`` hands the delay to its units as ``--comm-delay 0.002s``: a
+    bare number would be refused by ``serve unit``."""
+    from moeinfra.cli.options import parse_duration_s
+    from moeinfra.server.launch import ServeOptions, unit_command
+
+    cmd = unit_command("decode", 1, "tcp://127.0.0.1:1", ServeOptions(comm_delay_s=2e-3), tmp_path)
+    value = cmd[cmd.index("--comm-delay") + 1]
+    assert value == "0.002s" and parse_duration_s(value, "--comm-delay") == 2e-3

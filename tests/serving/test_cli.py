@@ -137,9 +137,80 @@ def test_bad_options_are_one_line_errors(args, message):
 def test_parse_duration():
     assert parse_duration_s("2s", "x") == 2.0
     assert parse_duration_s("50ms", "x") == 0.05
-    assert parse_duration_s("0.5", "x") == 0.5
+    assert parse_duration_s("1.5s", "x") == 1.5
+    assert parse_duration_s("200us", "x") == pytest.approx(2e-4)
+    assert parse_duration_s("1e-3s", "x") == 1e-3
+    assert parse_duration_s("0", "x") == 0.0  # zero needs no unit
     with pytest.raises(InputError, match="--slo"):
         parse_duration_s("fast", "--slo")
+    with pytest.raises(InputError, match=r"^--slo-tpot=0.5 needs a unit: 0.5ms or 0.5s"):
+        parse_duration_s("0.5", "--slo-tpot")  # a bare number: seconds or milliseconds?
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["simulate", "--fleet", "auto", "--slo-tpot", "50"],
+            "error: --slo-tpot=50 needs a unit: 50ms or 50s (units: us, ms, s)",
+        ),
+        (
+            ["simulate", "--fleet", "auto", "--slo-ttft-p95", "2"],
+            "error: --slo-ttft-p95=2 needs a unit: 2ms or 2s (units: us, ms, s)",
+        ),
+        (["simulate", "--tick", "2"], "error: --tick=2 needs a unit: 2ms or 2s"),
+        (["plan", "--workload", "w.jsonl", "--slo-tpot", "50"], "error: --slo-tpot=50 needs a unit"),
+        (["up", "--drain-timeout", "30"], "error: --drain-timeout=30 needs a unit"),
+        (["up", "--unit-timeout", "10"], "error: --unit-timeout=10 needs a unit"),
+        (["up", "--autoscale-interval", "10"], "error: --autoscale-interval=10 needs a unit"),
+        (["unit", "--server", "tcp://h:1", "--role", "decode", "--comm-delay", "0.002"],
+         "error: --comm-delay=0.002 needs a unit"),
+    ],
+)  # fmt: skip
+def test_a_duration_without_a_unit_is_refused(tmp_path, args, message):
+    (tmp_path / "w.jsonl").write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["simulate", "--workload", "missing.jsonl"], "error: --workload=missing.jsonl: no such file"),
+        (["plan", "--workload", "missing.jsonl"], "error: --workload=missing.jsonl: no such file"),
+        (["simulate", "--workload", "folder"], "error: --workload=folder: is a folder, expected a file"),
+        (["simulate", "--hours", "0.1", "--out", "w.jsonl"],
+         "error: --out=w.jsonl: is a file, expected a folder"),
+        (["model", "--calibration", "folder"], "error: --calibration=folder: is a folder"),
+        (["calibrate", "--measurements", "missing.json"], "error: --measurements=missing.json: no such file"),
+        (["bench", "--workload", "missing.jsonl"], "error: --workload=missing.jsonl: no such file"),
+        (["up", "--model", "missing"], "error: --model=missing: no such folder"),
+        (["up", "--model", "w.jsonl"], "error: --model=w.jsonl: is a file, expected a folder"),
+        (["unit", "--server", "tcp://h:1", "--role", "decode", "--model", "missing"],
+         "error: --model=missing: no such folder"),
+    ],
+)  # fmt: skip
+def test_file_options_name_the_option_and_the_problem(tmp_path, args, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "w.jsonl").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_simulate_table_output():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeinfra.cli.options import input_file, output_file
 from moeinfra.eplb import POLICIES, Plan, evaluate, migration, rebalance
 from moeinfra.eplb.loadfile import read_load
 from moeinfra.errors import InputError
@@ -70,8 +72,9 @@ def plan(
     """Compute a placement from expert loads and write it."""
     if out.suffix not in (".npz", ".json"):
         raise InputError(f"--out {str(out)!r} must end in .npz or .json")
-    expert_load = read_load(load)
-    previous_plan = Plan.load(previous) if previous is not None else None
+    output_file(out, "--out")
+    expert_load = read_load(input_file(load, "--load"))
+    previous_plan = Plan.load(input_file(previous, "--previous")) if previous is not None else None
     start = time.perf_counter()
     result = rebalance(
         expert_load,
@@ -114,9 +117,7 @@ def plan(
         return
     console = Console()
     console.print(
-        _summary_table(
-            f"plan written to {out} in {elapsed_ms:.1f} ms", {policy: ours, "deepseek": theirs}
-        )
+        _summary_table(f"plan computed in {elapsed_ms:.1f} ms", {policy: ours, "deepseek": theirs})
     )
     if "layer_policy" in payload:
         console.print(f"layers by kind: {payload['layer_policy']}")
@@ -126,6 +127,7 @@ def plan(
             f"migration: {info['slots_changed']} slots changed ({info['slots_fraction']:.1%}), "
             f"{info['transfers']} transfers, {info['bytes'] / 1e9:.2f} GB"
         )
+    typer.echo(f"plan written to {out}")  # plain: a long path is not wrapped
 
 
 @app.command("eval")
@@ -137,8 +139,8 @@ def eval_(
     ),
 ) -> None:
     """Evaluate a plan under a load: balance, gap to the lower bound, duplicates, traffic."""
-    placed = Plan.load(plan_path)
-    evaluation = evaluate(placed, read_load(load))
+    placed = Plan.load(input_file(plan_path, "--plan"))
+    evaluation = evaluate(placed, read_load(input_file(load, "--load")))
     if as_json:
         payload = evaluation.to_dict()
         del payload["gpu_load"]
@@ -165,8 +167,9 @@ def show(
     """Draw one layer's placement (slots per GPU, grouped by node) and its GPU loads."""
     from moeinfra.eplb.figures import plot_plan
 
-    placed = Plan.load(plan_path)
-    expert_load = read_load(load) if load is not None else placed.expert_load
+    output_file(out, "--out")
+    placed = Plan.load(input_file(plan_path, "--plan"))
+    expert_load = read_load(input_file(load, "--load")) if load is not None else placed.expert_load
     if expert_load is None:
         raise InputError(f"plan {str(plan_path)!r} stores no load; pass --load")
     typer.echo(f"figure written to {plot_plan(placed, expert_load, out, layer=layer)}")
@@ -181,12 +184,28 @@ def bench(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
 ) -> None:
     """Time and compare the policies at DeepSeek-V3 scale (prefill EP32 and decode EP144 units)."""
-    from moeinfra.eplb.bench import markdown_table, run_benchmark
+    from tqdm import tqdm
 
-    console = Console(stderr=True)
-    rows = run_benchmark(
-        repeats=repeats, progress=None if quiet else lambda s: console.log(f"benchmarking {s}")
-    )
+    from moeinfra.eplb.bench import DEPLOYMENTS, markdown_table, run_benchmark
+
+    kinds = ("lognormal", "zipf")
+    # A bar on stderr that is cleared when done: the table on stdout stays clean and pasteable.
+    with tqdm(
+        total=len(DEPLOYMENTS) * len(kinds),
+        desc="benchmarking",
+        unit="config",
+        leave=False,
+        disable=quiet or not sys.stderr.isatty(),
+    ) as bar:
+        started = []
+
+        def progress(config: str) -> None:
+            if started:  # the previous configuration is done
+                bar.update(1)
+            started.append(config)
+            bar.set_postfix_str(config)
+
+        rows = run_benchmark(repeats=repeats, kinds=kinds, progress=progress)
     typer.echo(json.dumps(rows, indent=2) if as_json else markdown_table(rows))
 
 
@@ -196,7 +215,6 @@ def warm() -> None:
     otherwise runs them interpreted while a background process compiles them)."""
     import os
     import subprocess
-    import sys
 
     from moeinfra.eplb import jit
 

@@ -88,9 +88,10 @@ def run(
     )
     hidden = result["comm_hidden_fraction"]
     console.print(f"communication hidden: {'-' if hidden is None else f'{hidden:.1%}'}")
+    # Paths and commands as plain lines: never wrapped to the terminal, so they can be pasted.
     if trace is not None:
-        console.print(f"trace written to {result['trace']}")
-    console.print(f"same run under torchrun: {result['torchrun_command']}")
+        typer.echo(f"trace written to {result['trace']}")
+    typer.echo(f"same run under torchrun: {result['torchrun_command']}")
 
 
 @app.command("schedule")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeinfra.cli.options import input_file, output_folder, parse_duration_s
 from moeinfra.errors import InputError
 from moeinfra.serving.schedule import DEFAULT_TARGET
 
@@ -21,17 +21,6 @@ app = typer.Typer(
     help="Inference fleet: simulate a day, plan capacity, per-layer performance model.",
     no_args_is_help=True,
 )
-
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
-
-
-def parse_duration_s(text: str, name: str) -> float:
-    """``"2s"``, ``"50ms"``, ``"0.5"`` (seconds) -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise InputError(f"{name}={text!r} must be a duration like 2s, 50ms or 0.5")
-    value = float(match.group(1))
-    return value / 1e3 if match.group(2) == "ms" else value
 
 
 def _whole_numbers(text: str, count: int, at_least: int) -> tuple[int, ...] | None:
@@ -83,6 +72,9 @@ CALIBRATION_HELP = (
 def _calibration(value: str):
     from moeinfra.serving.calibration import load_calibration
 
+    if value != "none":
+        allowed = "allowed: none or a file written by moeinfra serve calibrate"
+        input_file(Path(value), "--calibration", allowed)
     return load_calibration(value)
 
 
@@ -93,6 +85,7 @@ def _calibration_summary(calibration) -> dict | str:
 def _load_workload(path: Path, skip_bad: bool, hit_ratio: float, hash_block_tokens: int = 512):
     from moeinfra.serving.workload import read_trace
 
+    input_file(path, "--workload")
     if hash_block_tokens < 1:
         raise InputError(f"--hash-block-tokens={hash_block_tokens} must be >= 1")
     workload, bad = read_trace(
@@ -154,7 +147,11 @@ def simulate_cmd(
     ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     tick: str = typer.Option(
-        "2s", "--tick", help="Simulation time step, e.g. 2s, or 10ms for a short live-scale replay."
+        "2s",
+        "--tick",
+        metavar="DURATION",
+        help="Simulation time step with a unit (us, ms, s): 2s, or 10ms for a short live-scale "
+        "replay.",
     ),
     drain: bool = typer.Option(
         True,
@@ -175,13 +172,16 @@ def simulate_cmd(
     slo_tpot: str | None = typer.Option(
         None,
         "--slo-tpot",
-        help="With --fleet auto: size decode units for this time per output token, e.g. 50ms.",
+        metavar="DURATION",
+        help="With --fleet auto: size decode units for this time per output token, with a unit "
+        "(us, ms, s): 50ms or 0.05s.",
     ),
     slo_ttft_p95: str | None = typer.Option(
         None,
         "--slo-ttft-p95",
+        metavar="DURATION",
         help="With --fleet auto: add prefill units until each 15 minutes' TTFT p95 meets this, "
-        "e.g. 2s.",
+        "with a unit (us, ms, s): 2s or 1500ms.",
     ),
     block: str | None = typer.Option(
         None,
@@ -217,6 +217,10 @@ def simulate_cmd(
     tick_s = parse_duration_s(tick, "--tick")
     if not tick_s > 0:
         raise InputError(f"--tick={tick!r} must be a duration > 0")
+    slo_tpot_s = None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot")
+    slo_ttft_s = None if slo_ttft_p95 is None else parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
+    if out is not None:
+        output_folder(out, "--out")  # before the simulation, not after it
     if workload is not None:
         trace, bad = _load_workload(workload, skip_bad, hit_ratio, hash_block_tokens)
     built = build_scenario(
@@ -236,10 +240,8 @@ def simulate_cmd(
         gpu_hour_usd=gpu_hour_usd,
         calibration=cal,
         target=target,
-        slo_tpot_s=None if slo_tpot is None else parse_duration_s(slo_tpot, "--slo-tpot"),
-        slo_ttft_s=(
-            None if slo_ttft_p95 is None else parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
-        ),
+        slo_tpot_s=slo_tpot_s,
+        slo_ttft_s=slo_ttft_s,
         block=None if block is None else parse_block(block),
         balancer=balancer,
     )
@@ -335,9 +337,17 @@ def simulate_cmd(
 @app.command("plan")
 def plan_cmd(
     workload: Path = typer.Option(..., "--workload", help="Trace (.jsonl or .csv)."),
-    slo_ttft_p95: str = typer.Option("2s", "--slo-ttft-p95", help="TTFT p95 target, e.g. 2s."),
+    slo_ttft_p95: str = typer.Option(
+        "2s",
+        "--slo-ttft-p95",
+        metavar="DURATION",
+        help="TTFT p95 target with a unit (us, ms, s): 2s or 1500ms.",
+    ),
     slo_tpot: str = typer.Option(
-        "50ms", "--slo-tpot", help="Time per output token p95 target, e.g. 50ms."
+        "50ms",
+        "--slo-tpot",
+        metavar="DURATION",
+        help="Time per output token p95 target with a unit (us, ms, s): 50ms or 0.05s.",
     ),
     hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
     gpu_hour_usd: float | None = typer.Option(
@@ -354,13 +364,15 @@ def plan_cmd(
     from moeinfra.serving.planner import plan_capacity
     from moeinfra.serving.specs import priced_hardware
 
+    slo_ttft_s = parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
+    slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
     hw = priced_hardware(hardware, gpu_hour_usd)
     cal = _calibration(calibration)
     trace, _ = _load_workload(workload, skip_bad, hit_ratio)
     result = plan_capacity(
         trace,
-        slo_ttft_p95_s=parse_duration_s(slo_ttft_p95, "--slo-ttft-p95"),
-        slo_tpot_p95_s=parse_duration_s(slo_tpot, "--slo-tpot"),
+        slo_ttft_p95_s=slo_ttft_s,
+        slo_tpot_p95_s=slo_tpot_s,
         hw=hw,
         calibration=cal,
     )

@@ -7,6 +7,14 @@ from pathlib import Path
 
 import typer
 
+from moeinfra.cli.options import (
+    input_file,
+    input_folder,
+    output_file,
+    output_folder,
+    parse_duration_s,
+)
+
 
 def _engine_config(
     num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens, dtype, redundant, eplb, overlap
@@ -37,7 +45,12 @@ _REDUNDANT = typer.Option(0, "--redundant-experts", help="Extra expert slots per
 _EPLB = typer.Option(0, "--eplb-interval", help="Rebalance experts every N steps (0: never).")
 _CACHE_BYTES = typer.Option(1 << 30, "--kv-cache-bytes", help="Byte cap of the on-disk KV cache.")
 _OVERLAP = typer.Option("auto", "--overlap", help="auto, none, prefill or decode.")
-_DELAY = typer.Option(0.0, "--comm-delay", help="Injected seconds per all-to-all payload.")
+_DELAY = typer.Option(
+    "0s",
+    "--comm-delay",
+    metavar="DURATION",
+    help="Injected delay per all-to-all payload with a unit (us, ms, s): 2ms.",
+)
 _NOOP = typer.Option(
     False,
     "--noop-model",
@@ -86,14 +99,19 @@ def register(app: typer.Typer) -> None:
         max_model_len: int | None = typer.Option(
             None, "--max-model-len", help="Prompt + output tokens per request."
         ),
-        drain_timeout: float = typer.Option(
-            30.0, "--drain-timeout", help="Seconds running requests get to finish on shutdown."
+        drain_timeout: str = typer.Option(
+            "30s",
+            "--drain-timeout",
+            metavar="DURATION",
+            help="Time running requests get to finish on shutdown, with a unit (us, ms, s): 30s.",
         ),
-        unit_timeout: float = typer.Option(
-            10.0,
+        unit_timeout: str = typer.Option(
+            "10s",
             "--unit-timeout",
-            help="Seconds a unit's ranks may stay silent (no report; a step longer than this "
-            "counts too) before the unit is taken as lost and its requests retried or failed.",
+            metavar="DURATION",
+            help="Time a unit's ranks may stay silent (no report; a step longer than this counts "
+            "too) before the unit is taken as lost and its requests retried or failed, with a "
+            "unit (us, ms, s): 10s.",
         ),
         num_kv_blocks: int = _BLOCKS,
         block_size: int = _BLOCK,
@@ -103,7 +121,7 @@ def register(app: typer.Typer) -> None:
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
-        comm_delay: float = _DELAY,
+        comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
         autoscale: bool = typer.Option(
             False,
@@ -114,14 +132,27 @@ def register(app: typer.Typer) -> None:
         max_prefill_units: int = typer.Option(4, "--max-prefill-units"),
         min_decode_units: int = typer.Option(1, "--min-decode-units"),
         max_decode_units: int = typer.Option(4, "--max-decode-units"),
-        autoscale_interval: float = typer.Option(
-            10.0, "--autoscale-interval", help="Seconds between autoscaling decisions."
+        autoscale_interval: str = typer.Option(
+            "10s",
+            "--autoscale-interval",
+            metavar="DURATION",
+            help="Time between autoscaling decisions, with a unit (us, ms, s): 10s.",
         ),
         autoscale_target: float = typer.Option(
             0.7, "--autoscale-target", help="Busy share units are sized for."
         ),
     ) -> None:
         """Serve a checkpoint behind an OpenAI-compatible API with prefill/decode units."""
+        # Option values first: a typo fails at once, before the server's imports and processes.
+        if model is not None:
+            input_folder(model, "--model")
+        if kv_cache_dir is not None:
+            output_folder(kv_cache_dir, "--kv-cache-dir")
+        drain_timeout_s = parse_duration_s(drain_timeout, "--drain-timeout")
+        unit_timeout_s = parse_duration_s(unit_timeout, "--unit-timeout")
+        comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")
+        autoscale_interval_s = parse_duration_s(autoscale_interval, "--autoscale-interval")
+
         from moeinfra.server.autoscale import AutoscalePolicy
         from moeinfra.server.launch import ServeOptions, serve
 
@@ -129,7 +160,7 @@ def register(app: typer.Typer) -> None:
             AutoscalePolicy(
                 (min_prefill_units, max_prefill_units),
                 (min_decode_units, max_decode_units),
-                autoscale_interval,
+                autoscale_interval_s,
                 autoscale_target,
             )
             if autoscale
@@ -163,9 +194,9 @@ def register(app: typer.Typer) -> None:
             served_model_name=served_model_name,
             max_queue=max_queue,
             max_model_len=max_model_len,
-            drain_timeout_s=drain_timeout,
-            unit_timeout_s=unit_timeout,
-            comm_delay_s=comm_delay,
+            drain_timeout_s=drain_timeout_s,
+            unit_timeout_s=unit_timeout_s,
+            comm_delay_s=comm_delay_s,
             noop_model=noop_model,
             autoscale=policy,
         )
@@ -195,10 +226,11 @@ def register(app: typer.Typer) -> None:
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
-        comm_delay: float = _DELAY,
+        comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
     ) -> None:
         """Run one unit of engine ranks that joins a running server (on this or another host)."""
+        comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")  # before the heavy imports
         import uuid
 
         from moeinfra.engine.tiny import default_model
@@ -211,7 +243,9 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--ranks={ranks} must be >= 1")
         if not server.startswith("tcp://") or ":" not in server[6:]:
             raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
-        model_dir = model if model is not None else default_model()
+        model_dir = input_folder(model, "--model") if model is not None else default_model()
+        if kv_cache_dir is not None:
+            output_folder(kv_cache_dir, "--kv-cache-dir")
         spec = UnitSpec(
             unit_id=unit_id or f"{role}-{uuid.uuid4().hex[:6]}",
             role=role,
@@ -231,7 +265,7 @@ def register(app: typer.Typer) -> None:
             kv_host=kv_host,
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,
             disk_cache_bytes=kv_cache_bytes,
-            comm_delay_s=comm_delay,
+            comm_delay_s=comm_delay_s,
             noop_model=noop_model,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
@@ -261,6 +295,9 @@ def register(app: typer.Typer) -> None:
 
         if (url is None) == (measurements is None):
             raise InputError("give exactly one of --url (a live server) and --measurements FILE")
+        output_file(out, "--out")
+        if measurements is not None:
+            input_file(measurements, "--measurements")
         if url is not None:
             from moeinfra.server.calibrate import calibrate_live
 
@@ -314,6 +351,9 @@ def register(app: typer.Typer) -> None:
 
         if vocab < 2:
             raise InputError(f"--vocab={vocab} must be >= 2")
+        if workload != "synthetic":
+            input_file(Path(workload), "--workload", "allowed: synthetic or a .jsonl trace")
+        output_folder(out, "--out")
         if workload == "synthetic":
             requests = b.synthetic_requests(num_requests, vocab=vocab, seed=seed)
             b.poisson_arrivals(requests, 4.0 if rate is None else rate, seed)

@@ -106,7 +106,7 @@ def unit_command(
         cmd += ["--kv-cache-dir", str(options.kv_cache_dir)]
         cmd += ["--kv-cache-bytes", str(options.kv_cache_bytes)]
     if options.comm_delay_s:
-        cmd += ["--comm-delay", str(options.comm_delay_s)]
+        cmd += ["--comm-delay", f"{float(options.comm_delay_s)!r}s"]
     if options.noop_model:
         cmd += ["--noop-model"]
     defaults = EngineConfig()
