@@ -33,8 +33,23 @@ def render_timeline(
 
     One row per rank; each action is a box from its start to its end, coloured by kind (F orange,
     B/I green, W blue; the second direction darker), labelled with its micro-batch. An overlapped
-    ``F&B`` pair is split: forward on top, backward below. ``I`` boxes are hatched.
+    ``F&B`` pair is split: forward on top, backward below. ``I`` boxes are hatched. The figure is
+    :func:`timeline_figure`'s.
     """
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(result, title=title)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    data = buf.getvalue()
+    if path is not None:
+        write_bytes_atomic(Path(path), data)
+    return data
+
+
+def timeline_figure(result: SimResult, *, title: str | None = None):
+    """The matplotlib Figure :func:`render_timeline` saves (one Axes, the legend below it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +60,7 @@ def render_timeline(
     R = schedule.num_ranks
     span = max(result.makespan, 1e-9)
     width = min(max(8.0, span * 0.22), 40.0)
-    fig, ax = plt.subplots(figsize=(width, 0.55 * R + 1.6))
+    fig, ax = plt.subplots(figsize=(width, 0.55 * R + 1.6), layout="constrained")
     unit = min(
         r.starts and min(e - s for s, e in zip(r.starts, r.ends, strict=True) if e > s) or span
         for r in result.per_rank
@@ -96,25 +111,13 @@ def render_timeline(
         Patch(facecolor=COLORS["B"][0], label="B (dir. 0)"),
         Patch(facecolor=COLORS["B"][1], label="B (dir. 1)"),
         Patch(facecolor="white", edgecolor="#333", hatch="//", label="I (input grad only)"),
-        Patch(facecolor=COLORS["W"][0], label="W"),
+        Patch(facecolor=COLORS["W"][0], label="W (dir. 0)"),
+        Patch(facecolor=COLORS["W"][1], label="W (dir. 1)"),
         Patch(facecolor="white", edgecolor="#333", label="F&B: F top, B bottom"),
     ]
-    ax.legend(
-        handles=handles,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -1.1 / (0.55 * R + 1.6) - 0.02),
-        ncol=7,
-        fontsize=8,
-        frameon=False,
-    )
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    data = buf.getvalue()
-    if path is not None:
-        write_bytes_atomic(Path(path), data)
-    return data
+    # Below the axis label, with no band in between: the constrained layout makes room for it.
+    fig.legend(handles=handles, loc="outside lower center", ncol=8, fontsize=8, frameon=False)
+    return fig
 
 
 def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict:

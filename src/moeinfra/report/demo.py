@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from moeinfra.report import (
     eplb_section,
     moe_section,
     pipeline_section,
+    run_info,
     server_section,
     serving_section,
     trace_section,
@@ -30,16 +32,31 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
 ]
 
 
-def build_demo_report(out_dir: Path, *, quiet: bool = False) -> Path:
-    """Build every section into ``out_dir`` and write ``out_dir/index.html``; return its path."""
+def build_demo_report(
+    out_dir: Path,
+    *,
+    quiet: bool = False,
+    builders: list[tuple[str, SectionBuilder]] | None = None,
+) -> Path:
+    """Build every section (``builders``, default :data:`SECTION_BUILDERS`) into ``out_dir``, timing
+    each, and write ``out_dir/index.html`` under a title block (version, date, machine, build times);
+    return its path."""
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    sections = []
+    info = run_info.collect()  # the date is the run's start
+    sections, timings_s = [], []
     for name, builder in tqdm(
-        SECTION_BUILDERS, desc="report", disable=quiet or None, unit="section"
+        builders or SECTION_BUILDERS, desc="report", disable=quiet or None, unit="section"
     ):
         if not quiet:
             tqdm.write(f"building {name} section")
+        start = time.perf_counter()
         sections.append(builder(out_dir))
-    return write_report(out_dir, "moeinfra demo report", sections)
+        timings_s.append((name, time.perf_counter() - start))
+    return write_report(
+        out_dir,
+        "moeinfra demo report",
+        sections,
+        title_block=run_info.title_block_html(info, timings_s, load_end=run_info.load_average()),
+    )

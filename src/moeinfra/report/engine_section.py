@@ -42,6 +42,9 @@ def build(out_dir: Path) -> Section:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    from moeinfra.numfmt import format_number
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model = default_model()
@@ -58,8 +61,12 @@ def build(out_dir: Path) -> Section:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot([b for b, _, _ in speed], [s for _, s, _ in speed], marker="o")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("running requests (decode batch)")
+    ax.set_xticks(_BATCHES, [str(b) for b in _BATCHES])  # the batches measured, not powers of 2
+    ax.minorticks_off()
+    ax.set_ylim(0, max(s for _, s, _ in speed) * 1.1)
+    ax.set_xlabel("running requests (decode batch, log scale)")
     ax.set_ylabel("output tokens/s")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_number(v)))
     ax.set_title("tiny DeepSeek-V3, 1 rank, float32, 2-core CPU")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -6,6 +6,7 @@ import html
 from pathlib import Path
 
 from moeinfra.pipeline import Costs, compare, dualpipe, dualpipev, one_f_one_b, simulate, zb1p
+from moeinfra.pipeline.schedule import Schedule
 from moeinfra.pipeline.timeline import render_timeline, write_chrome_trace
 from moeinfra.report.page import Section, figure_html, table_html
 
@@ -16,7 +17,8 @@ PP = 8
 
 def bubble_rows(pp: int = PP, costs: Costs = COSTS) -> list[list[object]]:
     """One row per schedule: published bubble formula vs simulated idle (worst rank and middle rank),
-    published vs simulated peak activations, parameters per device, devices."""
+    published vs simulated peak activations, published parameters per device vs the share of the
+    model the busiest simulated device holds, devices."""
     F, B, W, FB = costs.F, costs.B, costs.W, costs.fb
     mbs = 2 * pp + 4
     one = simulate(one_f_one_b(pp, mbs), costs)
@@ -58,7 +60,8 @@ def bubble_rows(pp: int = PP, costs: Costs = COSTS) -> list[list[object]]:
                 f"{max(r.idle for r in res.per_rank):g}",
                 f"{act_text} = {act}",
                 max(r.peak_activations for r in res.per_rank),
-                f"{params} ({max(r.params for r in res.per_rank)} stages)",
+                params,
+                _held(res.schedule, max(r.params for r in res.per_rank)),
                 devices,
             ]
         )
@@ -88,7 +91,8 @@ def build(out_dir: Path) -> Section:
         "idle, simulated (worst rank)",
         "activations (published)",
         "activations, simulated",
-        "parameters",
+        "parameters per device (published)",
+        "model held per device, simulated",
         "devices",
     ]
     cands, best = compare(8, 32, COSTS)
@@ -98,7 +102,8 @@ def build(out_dir: Path) -> Section:
             c.result.makespan,
             max(r.idle for r in c.result.per_rank),
             c.to_dict()["activation_memory"],
-            c.to_dict()["param_memory"],
+            f"{c.to_dict()['param_memory']:g}x",
+            _held(c.result.schedule, c.to_dict()["params"]),
         ]
         for c in cands
         if c.result is not None
@@ -119,18 +124,40 @@ def build(out_dir: Path) -> Section:
         + '<p>Chrome trace of the DualPipe run: <a href="pipeline_dualpipe_trace.json">pipeline_dualpipe_trace.json</a> (open in Perfetto).</p>'
         + f"<h3>Bubble and memory per device, PP = {PP}, {html.escape(_costs_text())}</h3>"
         + table_html(header, bubble_rows())
-        + "<p>All four run a model cut into PP stages of equal size (DualPipeV folds them onto PP/2 devices). "
-        "Activations are in units of one stage's activations for one micro-batch, parameters in stages per "
-        "device. The formulas are exact for F = W = B/2; the simulated idle comes from running the schedules.</p>"
+        + "<p>As in DeepSeek's table, all four run one model cut into PP stages of equal size; "
+        "DualPipeV folds them onto PP/2 devices. Bubble and idle in cost units (F = 1); activations "
+        "in units of one stage's activations for one micro-batch; parameters per device relative to "
+        "1F1B's one stage, so DualPipe and DualPipeV, holding two 1/8 slices of the model on each "
+        "device, hold 2x. The formulas are exact for F = W = B/2; the simulated idle comes from running the "
+        "schedules.</p>"
         + "<h3>Which schedule for these costs? 8 devices, 32 micro-batches</h3>"
         + table_html(
-            ["schedule", "makespan", "max idle", "activation memory", "parameter memory"], cmp_rows
+            [
+                "schedule",
+                "makespan (cost units)",
+                "max idle (cost units)",
+                "activations per device",
+                "parameters per device (vs 1F1B)",
+                "model held per device",
+            ],
+            cmp_rows,
         )
-        + "<p>Memory here in units of one stage of an 8-stage split (DualPipeV's 16 stages are half size). "
-        "<code>moeinfra pipeline compare --costs F=..,B=..,W=..,FB=..</code> makes this choice from measured costs.</p>"
+        + "<p>Here the number of devices is fixed instead: every schedule gets the same 8 "
+        "devices, so DualPipeV cuts the model into 16 stages of half the size. Its 2 stages per "
+        "device then weigh as much as 1F1B's one (1x), while DualPipe still holds two stages of "
+        "an 8-stage split (2x): the 2x of the table above is DualPipeV's price per device when it "
+        "runs the same stages on half the devices. Activations in units of one stage of the "
+        "8-stage split for one micro-batch. <code>moeinfra pipeline compare --costs "
+        "F=..,B=..,W=..,FB=..</code> makes this choice from measured costs.</p>"
     )
     return Section("pipeline", "Pipeline parallelism: DualPipe, DualPipeV and baselines", body)
 
 
 def _costs_text() -> str:
     return f"F={COSTS.F:g}, B={COSTS.B:g}, W={COSTS.W:g}, F&B={COSTS.fb:g}"
+
+
+def _held(schedule: Schedule, stages: int) -> str:
+    """``"2 × 1/8"``: a device's ``stages`` stages, each one slice of the model (a path's length;
+    DualPipe's two paths are two copies of the model)."""
+    return f"{stages} × 1/{len(schedule.paths[0])}"

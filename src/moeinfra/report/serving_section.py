@@ -15,12 +15,14 @@ from moeinfra.serving.scenario import (
 )
 
 
-def _fmt(value: float) -> str:
-    if abs(value) >= 1e9:
-        return f"{value / 1e9:,.1f}B"
-    if abs(value) >= 1e4:
-        return f"{value:,.0f}"
-    return f"{value:,.3g}"
+def _in_units(label: str, published: float, simulated: float) -> tuple[str, float, float]:
+    """Token totals in billions and the margin in %, the unit named in the label; the numbers
+    themselves are printed by the report's one rule (``table_html``)."""
+    if label.endswith("tokens"):
+        return f"{label} (billions)", published / 1e9, simulated / 1e9
+    if label == "cost profit margin":
+        return f"{label} (%)", published * 100, simulated * 100
+    return label, published, simulated
 
 
 def build(out_dir: Path) -> Section:
@@ -36,7 +38,7 @@ def build(out_dir: Path) -> Section:
     plot_throughput(result, out_dir / "serving_throughput.png")
     plot_latency(result, out_dir / "serving_latency.png")
     rows = [
-        [label, _fmt(published), _fmt(simulated), f"{diff:+.1%}"]
+        [*_in_units(label, published, simulated), f"{diff:+.1%}" if round(diff, 3) else "0.0%"]
         for label, published, simulated, diff in published_vs_simulated(totals)
     ]
     d = result.to_dict(hourly=False)

@@ -9,8 +9,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from moeinfra.atomicio import atomic_path  # noqa: E402
+from moeinfra.numfmt import format_number  # noqa: E402
 from moeinfra.serving.schedule import FleetSchedule  # noqa: E402
 from moeinfra.serving.simulate import SimulationResult  # noqa: E402
 
@@ -46,9 +48,10 @@ def plot_nodes(schedule: FleetSchedule, path: Path) -> Path:
         alpha=0.8,
     )
     ax.set_ylabel("H800 nodes")
+    ax.set_ylim(0, None)
     ax.set_title("Nodes in service (UTC+8)")
     _clock_ticks(ax, schedule.duration_s / 3600.0)
-    ax.legend(loc="lower left")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the curve
     return _save(fig, path)
 
 
@@ -69,6 +72,7 @@ def plot_cost_income(result: SimulationResult, path: Path, published: tuple | No
     if published is not None:
         ax.plot(hours[: len(published)] + 0.5, published, "k.", label="income (published chart)")
     ax.set_ylabel("USD per hour")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_number(v)))
     ax.set_title("Cost and theoretical income per hour")
     _clock_ticks(ax, len(hours))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8)
@@ -87,33 +91,144 @@ def plot_throughput(result: SimulationResult, path: Path) -> Path:
     ax.axhline(73.7, ls=":", color="C0")
     ax.axhline(14.8, ls=":", color="C1")
     ax.set_ylabel("thousand tokens/s per node")
+    ax.set_ylim(0, None)
     ax.set_title("Throughput per node (dotted: DeepSeek's daily averages)")
     _clock_ticks(ax, len(h))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     return _save(fig, path)
+
+
+def data_range(
+    values: np.ndarray,
+    weights: np.ndarray | None = None,
+    *,
+    quantiles: tuple[float, float] = (0.005, 0.995),
+    margin: float = 0.05,
+    log_ratio: float = 10.0,
+) -> tuple[float, float, bool]:
+    """Axis limits that fit ``values [n]`` (each weighing ``weights [n]``, default 1): from the
+    ``quantiles`` of the data widened by ``margin`` of the span on each side (of the log span on a
+    log axis), and whether to use a log axis — only when the data span more than ``log_ratio`` (a
+    decade by default) and are positive. Returns ``(low, high, log)`` in the units of ``values``."""
+    values = np.asarray(values, dtype=np.float64)
+    w = np.ones_like(values) if weights is None else np.asarray(weights, dtype=np.float64)
+    keep = np.isfinite(values) & (w > 0)
+    values, w = values[keep], w[keep]
+    if values.size == 0:
+        return 0.0, 1.0, False
+    order = np.argsort(values)
+    values, cumulative = values[order], np.cumsum(w[order]) / w.sum()
+    lo = float(values[min(np.searchsorted(cumulative, quantiles[0]), values.size - 1)])
+    hi = float(values[min(np.searchsorted(cumulative, quantiles[1]), values.size - 1)])
+    log = lo > 0 and hi / lo > log_ratio
+    if log:
+        pad = (np.log10(hi) - np.log10(lo)) * margin
+        return lo / 10**pad, hi * 10**pad, True
+    pad = (hi - lo) * margin if hi > lo else max(abs(hi) * margin, 1e-12)
+    return lo - pad, hi + pad, False
+
+
+def _histogram(ax, values: np.ndarray, unit: str, what: str, noun: str) -> None:
+    """Histogram of ``values`` as % of the total on an axis fitted by :func:`data_range`; what falls
+    outside is counted in a note instead of stretching the axis."""
+    lo, hi, log = data_range(values)
+    edges = np.geomspace(lo, hi, 61) if log else np.linspace(lo, hi, 61)
+    ax.hist(values, bins=edges, weights=np.full(values.size, 100.0 / values.size))
+    if log:
+        _log_axis(ax)
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel(f"{what} ({unit}{', log scale' if log else ''})")
+    ax.set_ylabel(f"% of {noun}")
+    _outside_note(ax, values < lo, values > hi, values, unit, noun)
+
+
+def _log_axis(ax) -> None:
+    """A log x axis labelled at 1, 2 and 5 times the powers of ten, in plain numbers."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_number(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _outside_note(ax, below, above, values, unit: str, noun: str, weights=None) -> None:
+    w = np.ones(len(values)) if weights is None else weights
+    total = w.sum()
+    notes = []
+    if w[below].sum():
+        notes.append(
+            f"{100 * w[below].sum() / total:.2g}% below (min {format_number(values[below].min())} {unit})"
+        )
+    if w[above].sum():
+        notes.append(
+            f"{100 * w[above].sum() / total:.2g}% beyond (max {format_number(values[above].max())} {unit})"
+        )
+    if notes:
+        ax.text(
+            0.98,
+            0.97,
+            "not shown:\n" + "\n".join(notes),
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="#555555",
+        )
+
+
+def latency_figure(
+    ttft_s: np.ndarray, tpot_s: np.ndarray, itl_edges_s: np.ndarray, itl_tokens: np.ndarray
+):
+    """The matplotlib Figure :func:`plot_latency` saves: histograms of time to first token
+    (``ttft_s [requests]``, s), time per output token (``tpot_s [requests]``, s, drawn in ms) and
+    inter-token latency (``itl_tokens [b]`` tokens between ``itl_edges_s [b + 1]``, s, drawn in
+    ms), each as % of its total, each x axis fitted to its data by :func:`data_range` (log only where
+    the data span more than a decade). Non-finite values (requests without a token) are left out."""
+    ttft = ttft_s[np.isfinite(ttft_s)]
+    tpot_ms = tpot_s[np.isfinite(tpot_s)] * 1e3
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.4), layout="constrained")
+    if ttft.size:
+        _histogram(a, ttft, "s", "time to first token", "requests")
+    else:
+        a.set_xlabel("time to first token (s)")
+    if tpot_ms.size:
+        _histogram(b, tpot_ms, "ms", "time per output token", "requests")
+    else:
+        b.set_xlabel("time per output token (ms)")
+    tokens = np.asarray(itl_tokens, dtype=np.float64)
+    if tokens.sum() > 0:
+        edges_ms = np.asarray(itl_edges_s, dtype=np.float64) * 1e3
+        centres = (
+            np.sqrt(edges_ms[:-1] * edges_ms[1:])
+            if edges_ms[0] > 0
+            else (edges_ms[:-1] + edges_ms[1:]) / 2
+        )
+        lo, hi, log = data_range(centres, tokens)
+        inside = (edges_ms[1:] > lo) & (edges_ms[:-1] < hi)
+        span = np.flatnonzero(inside)
+        c.stairs(100.0 * tokens[span] / tokens.sum(), edges_ms[span[0] : span[-1] + 2], fill=True)
+        if log:
+            _log_axis(c)
+        c.set_xlim(lo, hi)
+        used = tokens > 0
+        _outside_note(
+            c,
+            (edges_ms[1:] <= lo)[used],
+            (edges_ms[:-1] >= hi)[used],
+            centres[used],
+            "ms",
+            "tokens",
+            tokens[used],
+        )
+        c.set_xlabel(f"inter-token latency (ms{', log scale' if log else ''})")
+    else:
+        c.set_xlabel("inter-token latency (ms)")
+    c.set_ylabel("% of output tokens")
+    fig.suptitle("Latency distributions (axes fitted to the 0.5th-99.5th percentile)")
+    return fig
 
 
 def plot_latency(result: SimulationResult, path: Path) -> Path:
     """Distributions of time to first token, of time per output token (per request) and of the
-    inter-token latency (per token)."""
-    ttft = result.ttft_s[np.isfinite(result.ttft_s)]
-    tpot = result.tpot_s[np.isfinite(result.tpot_s)]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 3.4), layout="constrained")
-    if ttft.size:
-        a.hist(np.clip(ttft, 1e-3, None), bins=np.geomspace(1e-3, max(ttft.max(), 1e-2), 60))
-        a.set_xscale("log")
-    a.set_xlabel("time to first token (s)")
-    a.set_ylabel("requests (sampled)")
-    if tpot.size:
-        b.hist(tpot * 1e3, bins=60)
-    b.set_xlabel("time per output token (ms)")
-    b.set_ylabel("requests (sampled)")
-    used = np.flatnonzero(result.itl_tokens)
-    if used.size:
-        span = slice(used[0], used[-1] + 1)
-        edges_ms = result.itl_edges_s[span.start : span.stop + 1] * 1e3
-        c.stairs(result.itl_tokens[span] / result.itl_tokens.sum(), edges_ms, fill=True)
-    c.set_xlabel("inter-token latency (ms)")
-    c.set_ylabel("share of output tokens")
-    fig.suptitle("Latency distributions")
+    inter-token latency (per token): :func:`latency_figure` of ``result``, saved to ``path``."""
+    fig = latency_figure(result.ttft_s, result.tpot_s, result.itl_edges_s, result.itl_tokens)
     return _save(fig, path)

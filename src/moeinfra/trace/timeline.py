@@ -4,6 +4,7 @@ communication in different colours, F / B / W phase bands on top and the exposed
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from moeinfra.trace.summary import TraceReport
 CLASS_COLOURS = {COMPUTE: "#3b75af", COMM: "#ef8636", MEMORY: "#8c8c8c"}
 PHASE_COLOURS = {"F": "#59a14f", "B": "#b07aa1", "W": "#9c755f"}
 EXPOSED_COLOUR = "#d62728"
+_LABEL_FONTSIZE = 6
 
 
 def plot_timeline(
@@ -29,17 +31,38 @@ def plot_timeline(
     """Draw the timeline of ``result`` into the PNG ``out_path`` (written atomically); return the path.
 
     ``window_us`` = (start, end) in µs from the first GPU op of the trace zooms in; ``max_devices``
-    limits how many (rank, device) pairs get lanes.
+    limits how many (rank, device) pairs get lanes. The figure is :func:`timeline_figure`'s.
     """
+    import matplotlib.pyplot as plt
+
+    out_path = Path(out_path)
+    fig = timeline_figure(result, window_us=window_us, max_devices=max_devices, title=title)
+    try:
+        with atomic_path(out_path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+def timeline_figure(
+    result: TraceReport,
+    *,
+    window_us: tuple[float, float] | None = None,
+    max_devices: int = 4,
+    title: str | None = None,
+):
+    """The matplotlib Figure :func:`plot_timeline` saves: one Axes, lanes top to bottom as
+    :func:`timeline_lanes` lists them, op names cut to fit their boxes, the legend below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
 
     trace = result.trace
     gpu = trace.gpu
-    out_path = Path(out_path)
     origin = trace.start_ns or 0
     lanes, labels, shown = timeline_lanes(result, max_devices)
     attribution = result.attribution
@@ -58,6 +81,10 @@ def plot_timeline(
     if window_us is None and len(gpu):
         window_us = (0.0, (int(gpu.end_ns.max()) - origin) * 1e-3)
     span_us = window_us[1] - window_us[0] if window_us is not None else 1.0
+    # A name goes into its box only as far as it fits (cut with "…"), so names never run into
+    # each other; the axes are at least this wide once laid out.
+    points_per_us = ax.get_position().width * fig.get_figwidth() * 72.0 / max(span_us, 1e-9)
+    char_pt = 0.62 * _LABEL_FONTSIZE  # mean advance of DejaVu Sans at this size, a little generous
     for lane, starts, ends, names in labels:
         y = len(lanes) - 1 - lane
         wide = (ends - starts) * 1e-3 >= 0.03 * span_us  # room for a name
@@ -66,13 +93,19 @@ def plot_timeline(
             if start < free_from:
                 continue
             free_from = end
+            if window_us is not None:  # only the visible part of the box holds text
+                start = max(start, origin + window_us[0] * 1e3)
+                end = min(end, origin + window_us[1] * 1e3)
+            text = _label(str(name), int((end - start) * 1e-3 * points_per_us / char_pt) - 1)
+            if not text:
+                continue
             ax.text(
                 ((start + end) / 2 - origin) * 1e-3,
                 y + 0.5,
-                str(name),
+                text,
                 ha="center",
                 va="center",
-                fontsize=6,
+                fontsize=_LABEL_FONTSIZE,
                 color="white",
                 clip_on=True,
             )
@@ -82,6 +115,7 @@ def plot_timeline(
     if window_us is not None:
         ax.set_xlim(*window_us)
     ax.set_xlabel("time since first GPU op (µs)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set_title(title or "GPU timeline: compute vs communication")
     drawn = {
         COMPUTE: ("compute", CLASS_COLOURS[COMPUTE]),
@@ -108,12 +142,35 @@ def plot_timeline(
     )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    try:
-        with atomic_path(out_path) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-    return out_path
+    return fig
+
+
+def _short(name: str) -> str:
+    """A C++ kernel name without return type, template and argument lists and outer namespaces
+    (``void dpsk::ep::internode::combine<...>(...)`` -> ``internode::combine``); other names as
+    they are (``ATTN(mb1) L0``)."""
+    if "::" not in name:
+        return name
+    bare = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0].strip()
+    return "::".join(bare.split("::")[-2:]) or name
+
+
+def _label(name: str, chars: int) -> str:
+    """What of ``name`` fits in ``chars`` characters: its :func:`_short` form, else the function
+    alone (``combine``), else that cut by :func:`_fit`."""
+    short = _short(name)
+    last = short.rsplit("::", 1)[-1]
+    for candidate in (short, last):
+        if len(candidate) <= chars:
+            return candidate
+    return _fit(last, chars)
+
+
+def _fit(name: str, chars: int) -> str:
+    """``name`` cut to ``chars`` characters ending in "…", or "" when fewer than 4 would show."""
+    if len(name) <= chars:
+        return name
+    return name[: chars - 1] + "…" if chars >= 4 else ""
 
 
 Lane = tuple[str, list[tuple[np.ndarray, np.ndarray, str]]]
