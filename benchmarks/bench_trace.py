@@ -23,7 +23,7 @@ from pathlib import Path
 from moeinfra.trace import analyze
 
 DEEPSEEK_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "deepseek_train_trace.json"
+    Path(__file__).resolve().parents[1] / "examples" / "data" / "deepseek_train_trace.json"
 )
 DEFAULT_HTA_PYTHON = "/tmp/htavenv/bin/python"
 

@@ -241,24 +241,22 @@ def test_missing_path_and_empty_folder(tmp_path):
         read_trace(tmp_path)
 
 
-def test_chunked_reading_of_large_files_gives_the_same_trace(tmp_path, monkeypatch):
-    from moeinfra.trace import reader
-
+def test_chunked_reading_of_large_files_gives_the_same_trace(tmp_path):
+    # Files larger than the chunk are streamed (see test_trace_stream.py for the exhaustive test).
     events = [kernel("gemm", i * 10, 5, stream=7 + i % 2, corr=i) for i in range(7)]
     events += [launch(i * 10 - 3, i, tid=1 + i % 2) for i in range(7)] + [
         annotation("x(F)", -5, 100)
     ]
     path = write_trace(tmp_path / "t.json", events)
     one_pass = analyze(path).to_dict()
-    monkeypatch.setattr(reader, "_ONE_PASS_BYTES", 0)
-    monkeypatch.setattr(reader, "_CHUNK", 3)
-    chunked = analyze(path)
+    chunked = analyze(read_trace(path, chunk_bytes=64))
     assert chunked.to_dict() == one_pass
     assert len(chunked.trace.threads) == 2
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"traceEvents": [*events[:7], {"ph": "X", "ts": "soon"}]}))
-    with pytest.raises(TraceFormatError, match=r"traceEvents\[7\]"):
-        read_trace(bad)
+    for chunk_bytes in (64, 1 << 20):
+        with pytest.raises(TraceFormatError, match=r"traceEvents\[7\]"):
+            read_trace(bad, chunk_bytes=chunk_bytes)
 
 
 def test_rank_assignment_for_folders():

@@ -21,6 +21,8 @@ Typical use::
     print(result.to_dict()["devices"][0]["comm_hidden_fraction"])
 """
 
+from typing import TYPE_CHECKING
+
 from moeinfra.trace.attribution import Attribution, attribute, phase_breakdown, region_breakdown
 from moeinfra.trace.classify import (
     CLASS_NAMES,
@@ -32,16 +34,40 @@ from moeinfra.trace.classify import (
     Rule,
     classify,
 )
-from moeinfra.trace.diff import TraceDiff, diff_reports
 from moeinfra.trace.idle import IdleBreakdown, idle_breakdown
 from moeinfra.trace.iterations import Step, list_steps, select_step
-from moeinfra.trace.kernels import KernelStats, kernel_breakdown
-from moeinfra.trace.launches import LaunchSummary, launch_stats
 from moeinfra.trace.model import Trace
 from moeinfra.trace.overlap import Decomposition, decompose
-from moeinfra.trace.queue import QueueSummary, queue_series, queue_summary
 from moeinfra.trace.reader import read_trace
 from moeinfra.trace.summary import TraceReport, analyze, step_breakdown
+
+if TYPE_CHECKING:
+    from moeinfra.trace.diff import TraceDiff, diff_reports
+    from moeinfra.trace.kernels import KernelStats, kernel_breakdown
+    from moeinfra.trace.launches import LaunchSummary, launch_stats
+    from moeinfra.trace.queue import QueueSummary, queue_series, queue_summary
+
+# Imported on first use: `moeinfra trace report` does not need them (start-up time).
+_LAZY = {
+    "TraceDiff": "diff",
+    "diff_reports": "diff",
+    "KernelStats": "kernels",
+    "kernel_breakdown": "kernels",
+    "LaunchSummary": "launches",
+    "launch_stats": "launches",
+    "QueueSummary": "queue",
+    "queue_series": "queue",
+    "queue_summary": "queue",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"moeinfra.trace.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'moeinfra.trace' has no attribute {name!r}")
+
 
 __all__ = [
     "CLASS_NAMES",

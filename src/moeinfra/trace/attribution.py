@@ -61,10 +61,15 @@ def link_launches(trace: Trace) -> np.ndarray:
     out = np.full(len(gpu), -1, dtype=np.int64)
     if runtime.size == 0 or len(gpu) == 0:
         return out
-    keys = (cpu.rank[runtime].astype(np.int64) << 40) | cpu.correlation[runtime]
+    run_corr, gpu_corr = cpu.correlation[runtime], gpu.correlation
+    if max(int(run_corr.max()), int(gpu_corr.max())) >= 1 << 40:
+        # ids this large would spill into the rank bits of the key: use their ranks instead
+        _, dense = np.unique(np.concatenate([run_corr, gpu_corr]), return_inverse=True)
+        run_corr, gpu_corr = dense[: runtime.size], dense[runtime.size :]
+    keys = (cpu.rank[runtime].astype(np.int64) << 40) | run_corr
     order = np.argsort(keys, kind="stable")
     keys, runtime = keys[order], runtime[order]
-    want = (gpu.rank.astype(np.int64) << 40) | gpu.correlation
+    want = (gpu.rank.astype(np.int64) << 40) | gpu_corr
     pos = np.minimum(np.searchsorted(keys, want), keys.size - 1)
     found = (keys[pos] == want) & (gpu.correlation >= 0)
     out[found] = runtime[pos[found]]
