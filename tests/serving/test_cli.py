@@ -124,7 +124,10 @@ def test_model_json_and_table():
         (["--fleet", "0:1"], "error: --fleet='0:1' must be deepseek, auto or P:D"),
         (["--decode-unit", "8:3"], "error: decode unit: routed experts + redundant_experts = 259"),
         (["--prefill-unit", "four"], "error: --prefill-unit='four' must be NODES"),
-        (["--gpu-hour-usd", "-1"], "error: gpu_hour_usd=-1.0 must be >= 0"),
+        (["--gpu-hour-usd", "-1"], "error: --gpu-hour-usd=-1.0 must be a finite number >= 0"),
+        (["--gpu-hour-usd", "inf"], "error: --gpu-hour-usd=inf must be a finite number >= 0"),
+        (["--scale", "nan"], "error: --scale=nan must be a finite number > 0"),
+        (["--demand-scale", "0"], "error: --demand-scale=0.0 must be a finite number > 0"),
     ],
 )
 def test_bad_options_are_one_line_errors(args, message):
@@ -132,6 +135,42 @@ def test_bad_options_are_one_line_errors(args, message):
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message)
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nodes", "0"], "error: --nodes=0 must be >= 1"),
+        (["--batch", "nan"], "error: --batch=nan must be a finite number > 0"),
+        (["--batch", "inf"], "error: --batch=inf must be a finite number > 0"),
+        (["--kv", "-1"], "error: --kv=-1.0 must be a finite number >= 0"),
+    ],
+)
+def test_model_refuses_what_it_cannot_model(args, message):
+    result = cli("model", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == message
+
+
+def test_model_fills_a_unit_of_any_size_with_redundant_experts():
+    # 8 nodes = 64 GPUs: 256 + 32 slots do not split evenly, 256 + 64 = 5 per GPU do.
+    for nodes, slots_per_gpu in ((8, 5), (4, 9), (18, 2), (5, 8)):
+        result = cli("model", "--nodes", str(nodes), "--json")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["gpus"] == nodes * 8
+        redundant = slots_per_gpu * nodes * 8 - 256
+        assert redundant >= 32 and redundant - nodes * 8 < 32  # the fewest that fit
+    given = cli("model", "--nodes", "8", "--redundant-experts", "32")
+    assert given.returncode == 2 and "288 must be a multiple of its 64 GPUs" in given.stderr
+
+
+def test_demand_scale_multiplies_the_generated_day():
+    one, two = (
+        json.loads(cli("simulate", "--hours", "0.25", "--json", *extra).stdout)
+        for extra in ([], ["--demand-scale", "2"])
+    )
+    ratio = two["input_tokens"] / one["input_tokens"]
+    assert ratio == pytest.approx(2.0, rel=0.05)
 
 
 def test_parse_duration():

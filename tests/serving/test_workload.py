@@ -1,6 +1,7 @@
 """Workload generator and trace replay."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,6 +114,69 @@ def test_bad_lines_name_the_line_or_are_counted(tmp_path):
         read_trace(path)
     w, bad = read_trace(path, skip_bad=True)
     assert bad == 2 and w.size == 2
+
+
+def test_lengths_ids_and_context_are_checked_per_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [
+        '{"timestamp": 0, "input_length": 10, "output_length": 3}',
+        '{"timestamp": 1, "input_length": 1.5, "output_length": 3}',  # fractional
+        '{"timestamp": 2, "input_length": "12", "output_length": 3}',  # a string
+        '{"timestamp": 3, "input_length": 1024, "output_length": 3, "hash_ids": "abc"}',
+        '{"timestamp": 4, "input_length": 1024, "output_length": 3, "hash_ids": [1, [2]]}',
+        '{"timestamp": 5, "input_length": 131000, "output_length": 100}',  # 131,100 > 131,072
+        '{"timestamp": 6, "input_length": 5e9, "output_length": 1}',
+        '{"timestamp": 7, "input_length": 1024.0, "output_length": 72, "hash_ids": [1, 2]}',
+        '{"timestamp": 8, "input_length": 131000, "output_length": 72}',  # exactly the context
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    for line_no, message in (
+        (2, "input_length=1.5 must be a whole number"),
+        (3, "input_length='12' must be a whole number"),
+        (4, "hash_ids='abc' must be a list of block ids"),
+        (5, "hash_ids=[1, [2]] must be a list of block ids"),
+        (6, "input_length + output_length = 131,100 tokens exceeds the model's context of 131,072"),
+        (7, "exceeds the model's context"),
+    ):
+        one = tmp_path / f"line{line_no}.jsonl"
+        one.write_text(lines[line_no - 1] + "\n")
+        with pytest.raises(InputError, match=rf"line{line_no}\.jsonl:1: .*{re.escape(message)}"):
+            read_trace(one)
+    w, bad = read_trace(path, skip_bad=True)
+    assert bad == 6
+    assert w.input_tokens.tolist() == [10, 1024, 131000]
+    assert w.cached_tokens.tolist() == [0, 0, 0]
+    short, _ = read_trace(path, skip_bad=True, max_context=2048)
+    assert short.input_tokens.tolist() == [10, 1024]
+
+
+def test_a_line_longer_than_the_limit_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    from moeinfra.serving import workload
+
+    monkeypatch.setattr(workload, "MAX_LINE_BYTES", 100)
+    ok = '{"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [' + "1," * 10
+    path = tmp_path / "t.jsonl"
+    assert len(ok + "2]}\n") == 94  # under the limit; then 10,000 bytes without a newline
+    path.write_text(ok + "2]}\n" + "x" * 10_000)
+    with pytest.raises(InputError, match=r"t\.jsonl:2: line longer than 100 bytes"):
+        read_trace(path)
+    reads = []
+    real_open = type(path).open
+
+    def counting_open(self, *args, **kwargs):
+        handle = real_open(self, *args, **kwargs)
+        real_readline = handle.readline
+        handle.readline = lambda limit=-1: reads.append(limit) or real_readline(limit)
+        return handle
+
+    monkeypatch.setattr(type(path), "open", counting_open)
+    with pytest.raises(InputError):
+        read_trace(path)
+    assert reads and all(0 < limit <= 101 for limit in reads)
+    csv_path = tmp_path / "t.csv"
+    csv_path.write_text("timestamp,input_tokens,output_tokens\n" + "9" * 500)
+    with pytest.raises(InputError, match=r"t\.csv:2: line longer than 100 bytes"):
+        read_trace(csv_path)
 
 
 def test_csv_azure_replay(tmp_path):

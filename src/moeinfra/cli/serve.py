@@ -31,6 +31,16 @@ def _whole_numbers(text: str, count: int, at_least: int) -> tuple[int, ...] | No
     return values if min(values) >= at_least else None
 
 
+def check_positive(value: float | None, option: str, at_least_zero: bool = False) -> None:
+    """A number option must be finite and > 0 (>= 0 with ``at_least_zero``); None passes."""
+    if value is None:
+        return
+    ok = value >= 0 if at_least_zero else value > 0
+    if not (np.isfinite(value) and ok):
+        bound = ">= 0" if at_least_zero else "> 0"
+        raise InputError(f"{option}={value} must be a finite number {bound}")
+
+
 def parse_block(text: str) -> tuple[int, int]:
     """``"3:1"`` -> ``(3, 1)`` prefill and decode units per block."""
     values = _whole_numbers(text, 2, 1)
@@ -53,14 +63,15 @@ def parse_fleet(text: str | None) -> str | tuple[int, int] | None:
 
 def parse_unit(text: str, name: str, phase: str):
     """``"18"`` or ``"18:32"`` -> a Deployment of 18 nodes (with 32 redundant experts)."""
-    from moeinfra.serving.specs import Deployment
+    from moeinfra.serving.specs import Deployment, fitting_redundant_experts
 
     values = _whole_numbers(text, 2, 0) or _whole_numbers(text, 1, 0)
     if values is None or values[0] < 1:
         raise InputError(
             f"{name}={text!r} must be NODES or NODES:REDUNDANT_EXPERTS, e.g. 18:32 (nodes >= 1)"
         )
-    return Deployment(phase, values[0], redundant_experts=values[1] if len(values) == 2 else 32)
+    redundant = values[1] if len(values) == 2 else fitting_redundant_experts(values[0])
+    return Deployment(phase, values[0], redundant_experts=redundant)
 
 
 CALIBRATION_HELP = (
@@ -82,7 +93,13 @@ def _calibration_summary(calibration) -> dict | str:
     return "none" if calibration is None else calibration.summary()
 
 
-def _load_workload(path: Path, skip_bad: bool, hit_ratio: float, hash_block_tokens: int = 512):
+def _load_workload(
+    path: Path,
+    skip_bad: bool,
+    hit_ratio: float,
+    hash_block_tokens: int = 512,
+    demand_scale: float = 1.0,
+):
     from moeinfra.serving.workload import read_trace
 
     input_file(path, "--workload")
@@ -93,7 +110,12 @@ def _load_workload(path: Path, skip_bad: bool, hit_ratio: float, hash_block_toke
     )
     if bad:
         typer.echo(f"skipped {bad} bad line(s) in {path}", err=True)
-    return workload, bad
+    return workload.with_demand_scale(demand_scale), bad
+
+
+_DEMAND_SCALE_HELP = (
+    "Multiply the demand: each request of the trace (or of the generated day) stands for this many."
+)
 
 
 def format_figure(value: float | None) -> str:
@@ -128,6 +150,7 @@ def simulate_cmd(
     scale: float = typer.Option(
         100.0, "--scale", help="Real requests per simulated request (generated workload)."
     ),
+    demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
     fleet: str | None = typer.Option(
         None,
         "--fleet",
@@ -213,6 +236,10 @@ def simulate_cmd(
     from moeinfra.serving.simulate import SimConfig
 
     trace, bad = (None, 0)
+    check_positive(scale, "--scale")
+    check_positive(demand_scale, "--demand-scale")
+    check_positive(hours, "--hours")
+    check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
     cal = _calibration(calibration)
     tick_s = parse_duration_s(tick, "--tick")
     if not tick_s > 0:
@@ -222,13 +249,14 @@ def simulate_cmd(
     if out is not None:
         output_folder(out, "--out")  # before the simulation, not after it
     if workload is not None:
-        trace, bad = _load_workload(workload, skip_bad, hit_ratio, hash_block_tokens)
+        trace, bad = _load_workload(workload, skip_bad, hit_ratio, hash_block_tokens, demand_scale)
     built = build_scenario(
         scenario,
         workload=trace,
         hardware_name=hardware,
         hours=hours,
         scale=scale,
+        demand_scale=demand_scale,
         seed=seed,
         fleet=parse_fleet(fleet),
         prefill_dep=None
@@ -357,6 +385,7 @@ def plan_cmd(
     hit_ratio: float = typer.Option(
         0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
     ),
+    demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
@@ -366,9 +395,11 @@ def plan_cmd(
 
     slo_ttft_s = parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
     slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
+    check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
+    check_positive(demand_scale, "--demand-scale")
     hw = priced_hardware(hardware, gpu_hour_usd)
     cal = _calibration(calibration)
-    trace, _ = _load_workload(workload, skip_bad, hit_ratio)
+    trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
     result = plan_capacity(
         trace,
         slo_ttft_p95_s=slo_ttft_s,
@@ -407,7 +438,12 @@ def model_cmd(
     phase: str = typer.Option("decode", "--phase", help="prefill or decode."),
     hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
     nodes: int | None = typer.Option(None, "--nodes", help="Nodes per unit (default 4 / 18)."),
-    redundant: int = typer.Option(32, "--redundant-experts", help="Redundant expert slots."),
+    redundant: int | None = typer.Option(
+        None,
+        "--redundant-experts",
+        help="Redundant expert slots [the fewest >= 32 that fill every GPU equally: 32 on 4 or "
+        "18 nodes, 64 on 8].",
+    ),
     tokens_per_gpu: int = typer.Option(16_384, "--tokens-per-gpu", help="Prefill tokens per GPU."),
     batch: float = typer.Option(64.0, "--batch", help="Decode requests per GPU."),
     kv: float = typer.Option(4_989.0, "--kv", help="Decode mean KV length (tokens)."),
@@ -419,19 +455,32 @@ def model_cmd(
 ) -> None:
     """Per-layer time breakdown of one step of one prefill or decode unit."""
     from moeinfra.serving.perfmodel import PerfModel
-    from moeinfra.serving.specs import Deployment
+    from moeinfra.serving.specs import DEEPSEEK_V3, Deployment, fitting_redundant_experts
     from moeinfra.serving.specs import hardware as hardware_spec
 
     if phase not in ("prefill", "decode"):
         raise InputError(f"--phase {phase!r} must be prefill or decode")
     if not (np.isfinite(prompt_len) and prompt_len >= 1):
         raise InputError(f"--prompt-len={prompt_len} must be a finite number >= 1")
+    if nodes is not None and nodes < 1:
+        raise InputError(f"--nodes={nodes} must be >= 1")
+    if redundant is not None and redundant < 0:
+        raise InputError(f"--redundant-experts={redundant} must be >= 0")
+    if tokens_per_gpu < 1:
+        raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
+    check_positive(batch, "--batch")
+    check_positive(kv, "--kv", at_least_zero=True)
     cal = _calibration(calibration)
-    dep = Deployment(
-        phase, nodes or (4 if phase == "prefill" else 18), redundant, tokens_per_gpu=tokens_per_gpu
-    )
+    unit_nodes = nodes or (4 if phase == "prefill" else 18)
+    hw_spec = None if cal is not None else hardware_spec(hardware)
+    if redundant is None:
+        hw_used, model = (hw_spec, DEEPSEEK_V3) if cal is None else (cal.hardware, cal.model)
+        redundant = fitting_redundant_experts(
+            unit_nodes, hw_used.gpus_per_node, model.num_routed_experts
+        )
+    dep = Deployment(phase, unit_nodes, redundant, tokens_per_gpu=tokens_per_gpu)
     if cal is None:
-        perf = PerfModel(dep, hardware_spec(hardware))
+        perf = PerfModel(dep, hw_spec)
     else:
         if nodes is None and phase in cal.units:
             dep = cal.units[phase]

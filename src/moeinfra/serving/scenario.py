@@ -202,6 +202,7 @@ def build_scenario(
     hardware_name: str = "h800",
     hours: float | None = None,
     scale: float = DEFAULT_SCALE,
+    demand_scale: float = 1.0,
     seed: int = 0,
     fleet: str | tuple[int, int] | None = None,
     prefill_dep: Deployment | None = None,
@@ -218,6 +219,8 @@ def build_scenario(
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
     ``DEFAULT_TARGET``), ``slo_tpot_s``, ``slo_ttft_s`` and ``block``) instead of ``"deepseek"``
     (the published node curve); ``fleet=(P, D)`` runs P prefill and D decode units throughout.
+    ``demand_scale`` multiplies the generated day's arrival rate (a given ``workload`` is scaled
+    by the caller: :meth:`Workload.with_demand_scale`).
     ``balancer`` (``"deepseek"`` or ``"baseline"``, as in :class:`SimConfig`) is the in-unit
     balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
     preset's price. With a ``calibration``, its hardware, model and fitted factors replace
@@ -244,7 +247,7 @@ def build_scenario(
     if workload is None:
         if hours is not None and not 0 < hours <= 24:
             raise InputError(f"hours={hours} must be in (0, 24]")
-        workload = deepseek_day(scale=scale, seed=seed, hours=hours)
+        workload = deepseek_day(scale=scale, seed=seed, hours=hours, demand_scale=demand_scale)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
     sizing = {"target": target, "slo_tpot_s": slo_tpot_s, "slo_ttft_s": slo_ttft_s, "block": block}
     given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)

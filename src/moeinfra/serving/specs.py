@@ -7,6 +7,7 @@ figures, ``h100``/``h200``/``b200`` with vendor peak figures), :func:`deepseek_p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from moeinfra.errors import InputError
@@ -161,8 +162,8 @@ def priced_hardware(name: str, gpu_hour_usd: float | None = None) -> HardwareSpe
     hw = hardware(name)
     if gpu_hour_usd is None:
         return hw
-    if not gpu_hour_usd >= 0:
-        raise InputError(f"gpu_hour_usd={gpu_hour_usd} must be >= 0")
+    if not (math.isfinite(gpu_hour_usd) and gpu_hour_usd >= 0):
+        raise InputError(f"gpu_hour_usd={gpu_hour_usd} must be a finite number >= 0")
     return replace(hw, gpu_hour_usd=gpu_hour_usd)
 
 
@@ -205,6 +206,15 @@ class Deployment:
 
     def with_(self, **changes: object) -> Deployment:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def fitting_redundant_experts(
+    nodes: int, gpus_per_node: int = 8, routed_experts: int = 256, at_least: int = 32
+) -> int:
+    """Fewest redundant expert slots, at least ``at_least`` (DeepSeek's 32), that make routed +
+    redundant slots a multiple of the unit's GPUs (every GPU holds as many): 32 on 4 or 18 nodes
+    of 8 GPUs, 64 on 8 nodes."""
+    return at_least + (-(routed_experts + at_least)) % (nodes * gpus_per_node)
 
 
 def deepseek_prefill_unit() -> Deployment:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -32,6 +33,10 @@ PUBLISHED_OUTPUT_TOKENS = 168e9
 PUBLISHED_CACHE_HIT = 342e9 / 608e9
 PUBLISHED_KV_PER_OUTPUT_TOKEN = 4_989.0
 CACHE_BLOCK_TOKENS = 64
+#: DeepSeek-V3's served context (128K tokens): a request's prompt and answer must fit in it.
+MAX_CONTEXT_TOKENS = 131_072
+#: Longest line of a trace file: a request is one short line; longer means not a trace.
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ class Workload:
             "output_tokens": float(out.sum()) * s,
             "kv_len_per_output_token": float(kv / max(out.sum(), 1.0)),
         }
+
+    def with_demand_scale(self, factor: float) -> Workload:
+        """The same arrivals and lengths, each standing for ``factor`` times as many real requests
+        (demand x ``factor`` on the same timeline)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise InputError(f"demand_scale={factor} must be a finite number > 0")
+        return replace(self, scale=self.scale * factor)
 
     def window(self, start_s: float, end_s: float) -> Workload:
         """Requests arriving in ``[start_s, end_s)``, times shifted to start at 0."""
@@ -180,13 +192,12 @@ def generate(
     demand = np.asarray(demand, dtype=np.float64)
     if demand.ndim != 1 or demand.size == 0 or np.any(demand < 0):
         raise InputError("demand must be a non-empty 1-D curve of values >= 0")
-    if requests_per_s_at_peak <= 0 or scale <= 0:
-        raise InputError(
-            f"requests_per_s_at_peak={requests_per_s_at_peak} and scale={scale} must be > 0"
-        )
+    for arg, value in (("requests_per_s_at_peak", requests_per_s_at_peak), ("scale", scale)):
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(f"{arg}={value} must be a finite number > 0")
     hours = float(demand.size if hours is None else hours)
-    if hours <= 0:
-        raise InputError(f"hours={hours} must be > 0")
+    if not (math.isfinite(hours) and hours > 0):
+        raise InputError(f"hours={hours} must be a finite number > 0")
     rng = np.random.default_rng(seed)
     lengths = lengths or LengthModel.from_published()
     whole = math.ceil(hours)
@@ -202,14 +213,18 @@ def generate(
     return Workload(arrival, inputs, outputs, cached, scale, hours * 3600.0, name)
 
 
-def deepseek_day(scale: float = 100.0, seed: int = 0, hours: float | None = None) -> Workload:
+def deepseek_day(
+    scale: float = 100.0, seed: int = 0, hours: float | None = None, demand_scale: float = 1.0
+) -> Workload:
     """DeepSeek's day: the hourly demand curve with the peak rate at which the curve's expected
     prompt tokens equal the published 608B (the demand is an input; what the fleet serves of it,
-    and how fast, is what the simulator finds)."""
+    and how fast, is what the simulator finds), times ``demand_scale``."""
+    if not (math.isfinite(demand_scale) and demand_scale > 0):
+        raise InputError(f"demand_scale={demand_scale} must be a finite number > 0")
     lengths = LengthModel.from_published()
     peak_rate = PUBLISHED_INPUT_TOKENS / (sum(DEEPSEEK_DAY_DEMAND) * 3600.0 * lengths.mean_input)
     return generate(
-        requests_per_s_at_peak=peak_rate,
+        requests_per_s_at_peak=peak_rate * demand_scale,
         lengths=lengths,
         hours=hours,
         scale=scale,
@@ -228,6 +243,42 @@ def _parse_time(text: str) -> float:
         return datetime.fromisoformat(text.strip()[:26]).timestamp()
 
 
+def _lines(handle, path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a binary file, never holding more than :data:`MAX_LINE_BYTES`
+    of one line."""
+    line_no = 0
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        line_no += 1
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise InputError(
+                f"{path}:{line_no}: line longer than {MAX_LINE_BYTES:,} bytes; a trace has one "
+                "request per line"
+            )
+        try:
+            yield line_no, line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{path}:{line_no}: not UTF-8 text") from None
+
+
+def _whole_number(value: object, name: str) -> int:
+    """A JSON length: an integer (or a float with no fraction), never a bool or a string."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name}={value!r} must be a whole number")
+    return int(value)
+
+
+def _block_ids(value: object) -> list:
+    if not isinstance(value, list) or not all(
+        isinstance(h, int | str) and not isinstance(h, bool) for h in value
+    ):
+        raise ValueError(
+            f"hash_ids={value!r:.60} must be a list of block ids (integers or strings)"
+        )
+    return value
+
+
 def read_trace(
     path: str | Path,
     *,
@@ -236,6 +287,7 @@ def read_trace(
     hash_block_tokens: int = 512,
     hit_ratio: float = 0.0,
     seed: int = 0,
+    max_context: int = MAX_CONTEXT_TOKENS,
 ) -> tuple[Workload, int]:
     """Read a request trace; return ``(workload, bad_lines_skipped)``.
 
@@ -248,7 +300,10 @@ def read_trace(
       ``TIMESTAMP,ContextTokens,GeneratedTokens``); timestamps in seconds or ISO date-times.
 
     Without ``hash_ids`` the cache-hit prefix follows the ``hit_ratio`` model. Bad lines raise
-    InputError naming the line number, or are skipped and counted with ``skip_bad``.
+    InputError naming the line number, or are skipped and counted with ``skip_bad``: lengths that
+    are not whole numbers >= 1, ``hash_ids`` that are not a list of ids, a prompt and answer longer
+    than ``max_context`` tokens (the model's context). The file is read line by line; a line longer
+    than :data:`MAX_LINE_BYTES` is an error (the file is not a trace).
     """
     path = Path(path)
     rows: list[tuple[float, int, int, int]] = []
@@ -262,32 +317,50 @@ def read_trace(
             raise InputError(f"{path}:{line_no}: {why}")
         bad += 1
 
+    def lengths_fit(line_no: int, n_in: int, n_out: int, names: tuple[str, str]) -> bool:
+        if n_in < 1 or n_out < 1:
+            fail(line_no, f"{names[0]}={n_in} and {names[1]}={n_out} must be >= 1")
+            return False
+        if n_in + n_out > max_context:
+            fail(
+                line_no,
+                f"{names[0]} + {names[1]} = {n_in + n_out:,} tokens exceeds the model's context "
+                f"of {max_context:,}",
+            )
+            return False
+        return True
+
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         unit = 1e-3 if time_unit_s is None else time_unit_s
-        with path.open(encoding="utf-8") as handle:
-            for line_no, line in enumerate(handle, 1):
+        with path.open("rb") as handle:
+            for line_no, line in _lines(handle, path):
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                     t = float(obj["timestamp"]) * unit
-                    n_in, n_out = int(obj["input_length"]), int(obj["output_length"])
+                    n_in = _whole_number(obj["input_length"], "input_length")
+                    n_out = _whole_number(obj["output_length"], "output_length")
                     hashes = obj.get("hash_ids")
+                    if hashes is not None:
+                        hashes = _block_ids(hashes)
                 except (ValueError, KeyError, TypeError) as exc:
                     fail(line_no, f"not a request object ({type(exc).__name__}: {exc})")
                     continue
-                if n_in < 1 or n_out < 1 or not math.isfinite(t):
-                    fail(line_no, f"input_length={n_in} and output_length={n_out} must be >= 1")
+                if not math.isfinite(t):
+                    fail(line_no, f"timestamp={obj['timestamp']!r} must be a finite number")
+                    continue
+                if not lengths_fit(line_no, n_in, n_out, ("input_length", "output_length")):
                     continue
                 if hashes is not None:
                     has_hashes = True
-                    blocks[len(rows)] = list(hashes)
+                    blocks[len(rows)] = hashes
                 rows.append((t, n_in, n_out, 0))
     elif suffix == ".csv":
         unit = 1.0 if time_unit_s is None else time_unit_s
-        with path.open(encoding="utf-8", newline="") as handle:
-            reader = csv.reader(handle)
+        with path.open("rb") as handle:
+            reader = csv.reader(text for _, text in _lines(handle, path))
             header = [h.strip().lower() for h in next(reader, [])]
             names = {
                 "timestamp": ("timestamp",),
@@ -311,8 +384,10 @@ def read_trace(
                 except (ValueError, IndexError) as exc:
                     fail(line_no, f"bad row {row!r} ({exc})")
                     continue
-                if n_in < 1 or n_out < 1:
-                    fail(line_no, f"input_tokens={n_in} and output_tokens={n_out} must be >= 1")
+                if not math.isfinite(t):
+                    fail(line_no, f"timestamp={row[cols['timestamp']]!r} must be a finite number")
+                    continue
+                if not lengths_fit(line_no, n_in, n_out, ("input_tokens", "output_tokens")):
                     continue
                 rows.append((t, n_in, n_out, 0))
     else:
