@@ -28,9 +28,10 @@ same kind improved by the same swaps; the better one is kept. ``auto`` qualifies
 DeepSeek's own choice (``rebalance_experts``). So no layer is ever worse than DeepSeek's. Swap search on
 a layer stops once its heaviest GPU is within ``tolerance`` of the lower bound.
 
-Migration-aware mode (``previous`` given): start from the previous placement (replica counts kept),
-apply only swaps that lower the heaviest GPU by more than ``min_gain`` of its load, at most
-``max_moves`` changed slots in total, the largest gains first.
+Migration-aware mode (``previous`` given): start from the previous placement, apply only swaps (and
+replica reassignments where the load now calls for other replica counts) that lower the heaviest
+GPU by more than ``min_gain`` of its load, at most ``max_moves`` changed slots in total; swaps the
+largest relative gains first, reassignments layer by layer (docs/eplb.md).
 """
 
 from __future__ import annotations
