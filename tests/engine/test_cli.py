@@ -72,3 +72,24 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tiny_path):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_engine_options_are_checked_before_torch_is_imported():
+    # `serve up` checks its engine options with EngineConfig; a typo must not wait for torch.
+    code = (
+        "import sys\n"
+        "from moeinfra.engine import EngineConfig\n"
+        "from moeinfra.errors import InputError\n"
+        "try:\n"
+        "    EngineConfig(dtype='int8')\n"
+        "except InputError as e:\n"
+        "    print(e)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from moeinfra.engine import SamplingParams\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        "dtype='int8' is not allowed; use one of float32, bfloat16, float16"
+    )

@@ -93,23 +93,21 @@ def test_move_budget_is_a_hard_cap_on_changed_slots(seed):
     np.testing.assert_array_equal(none.phy2log, previous.phy2log)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #18 finding: within a phase the budget is charged per swap (2) and per replica "
-    "reassignment (1), not per slot that ends up changed, so swaps that touch an already changed "
-    "slot spend budget without changing the count: a cap equal to the free run's own count stops "
-    "early (34 of 36 slots on seed 0) and leaves an improving swap",
-)
 def test_a_budget_is_spent_while_gain_is_left():
     for seed in range(6):
         previous, new, shape = _random_case(seed)
         free = rebalance(new, **shape, previous=previous)
         unbounded = _changed(free, previous)
         gpus, replicas = shape["num_gpus"], shape["num_replicas"]
+        # A cap is charged by slots that end up changed (a swap touching an already changed slot
+        # costs less than two). A cap at the free run's final count can still bind: on the way the
+        # free run may change more slots and later give one back (seed 5: 35 of 36), so equality
+        # with the free plan is asserted only well above it.
         for cap in (unbounded - 3, unbounded - 2, unbounded, unbounded + 1, unbounded + 5):
             plan = rebalance(new, **shape, previous=previous, max_moves=cap)
             changed = _changed(plan, previous)
-            if cap >= unbounded:  # a cap the free run does not reach changes nothing
+            assert changed <= cap
+            if cap >= unbounded + 5:
                 np.testing.assert_array_equal(plan.phy2log, free.phy2log, err_msg=f"cap {cap}")
             if changed > cap - 2:
                 continue

@@ -19,7 +19,7 @@ from moeinfra.cli.options import (
 def _engine_config(
     num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens, dtype, redundant, eplb, overlap
 ):
-    from moeinfra.engine.core import EngineConfig
+    from moeinfra.engine.config import EngineConfig
 
     return EngineConfig(
         block_size=block_size,

@@ -9,13 +9,43 @@
 Needs torch, safetensors, tokenizers and jinja2 (``pip install moeinfra[engine]``).
 """
 
-from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
-from moeinfra.engine.kv_blocks import BlockManager, block_hashes
-from moeinfra.engine.llm import LLM
-from moeinfra.engine.outputs import CompletionOutput, RequestOutput
-from moeinfra.engine.sampling import SamplingParams
-from moeinfra.engine.tiny import default_model, init_tiny
-from moeinfra.engine.tokenizer import Tokenizer
+from typing import TYPE_CHECKING
+
+from moeinfra.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from moeinfra.engine.core import EngineCore, StepOutput
+    from moeinfra.engine.kv_blocks import BlockManager, block_hashes
+    from moeinfra.engine.llm import LLM
+    from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+    from moeinfra.engine.sampling import SamplingParams
+    from moeinfra.engine.tiny import default_model, init_tiny
+    from moeinfra.engine.tokenizer import Tokenizer
+
+# Imported on first use, so that `moeinfra.engine.config` (and a command checking its options)
+# does not pull in torch.
+_LAZY = {
+    "EngineCore": "core",
+    "StepOutput": "core",
+    "BlockManager": "kv_blocks",
+    "block_hashes": "kv_blocks",
+    "LLM": "llm",
+    "CompletionOutput": "outputs",
+    "RequestOutput": "outputs",
+    "SamplingParams": "sampling",
+    "default_model": "tiny",
+    "init_tiny": "tiny",
+    "Tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"moeinfra.engine.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'moeinfra.engine' has no attribute {name!r}")
+
 
 __all__ = [
     "LLM",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moeinfra.engine.checkpoint import CheckpointReader
+from moeinfra.engine.config import DTYPE_NAMES, EngineConfig
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -33,45 +34,7 @@ from moeinfra.moe.comm import Communicator
 from moeinfra.moe.expert_parallel import load_matrix
 from moeinfra.moe.mla import Segment
 
-OVERLAPS = ("auto", "none", "prefill", "decode")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of a unit (the same on every rank).
-
-    ``num_kv_blocks``: KV blocks per rank (``block_size`` tokens each). ``redundant_experts``:
-    physical expert slots beyond one per expert, placed by EPLB. ``eplb_interval``: rebalance every
-    this many steps from the expert loads of the last ``eplb_window`` steps (None: never).
-    ``overlap``: dual micro-batch schedule of the MoE layers — ``auto`` (prefill schedule when the
-    step has prompt tokens, decode pipeline otherwise; ``none`` on one rank), or fixed.
-    """
-
-    block_size: int = 64
-    num_kv_blocks: int = 512
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    dtype: str = "float32"
-    redundant_experts: int = 0
-    eplb_interval: int | None = None
-    eplb_window: int = 64
-    overlap: str = "auto"
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InputError(f"dtype={self.dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
-        if self.overlap not in OVERLAPS:
-            raise InputError(
-                f"overlap={self.overlap!r} is not allowed; use one of {', '.join(OVERLAPS)}"
-            )
-        if self.redundant_experts < 0:
-            raise InputError(f"redundant_experts={self.redundant_experts} must be >= 0")
-        if self.eplb_interval is not None and self.eplb_interval < 1:
-            raise InputError(f"eplb_interval={self.eplb_interval} must be >= 1 (or None)")
-        if self.eplb_window < 1:
-            raise InputError(f"eplb_window={self.eplb_window} must be >= 1")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass

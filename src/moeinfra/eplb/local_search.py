@@ -14,6 +14,8 @@ import numpy as np
 
 from moeinfra.eplb.jit import kernel
 
+_NO_CAP = 1 << 62  # an unlimited move budget (room for swaps that give slots back: no overflow)
+
 
 @kernel()
 def _duplicate_rows(phy2log, slots_per_gpu, flags):
@@ -154,8 +156,30 @@ def _resort(by_load, gpu_load, layer, gpu):
 
 
 @kernel()
+def _slots_changed_by_swap(phy2log, reference, layer, a, b):
+    """How many more slots of ``layer`` differ from ``reference`` after swapping ``a`` and ``b``."""
+    before = int(phy2log[layer, a] != reference[layer, a]) + int(
+        phy2log[layer, b] != reference[layer, b]
+    )
+    after = int(phy2log[layer, b] != reference[layer, a]) + int(
+        phy2log[layer, a] != reference[layer, b]
+    )
+    return after - before
+
+
+@kernel()
 def _swap_rows(
-    phy2log, slot_load, num_gpus, domain_size, target, min_gain, max_steps, budget, moves
+    phy2log,
+    slot_load,
+    num_gpus,
+    domain_size,
+    target,
+    min_gain,
+    max_steps,
+    budget,
+    reference,
+    counted,
+    moves,
 ):
     num_layers, num_replicas = phy2log.shape
     slots_per_gpu = num_replicas // num_gpus
@@ -169,9 +193,8 @@ def _swap_rows(
     own = np.empty(num_layers, dtype=np.int64)
     other = np.empty(num_layers, dtype=np.int64)
     gain = np.empty(num_layers)
+    cost = np.empty(num_layers, dtype=np.int64)
     for _ in range(max_steps):
-        if budget < 2:
-            break
         found = 0
         for layer in range(num_layers):
             gain[layer] = -1.0
@@ -196,13 +219,22 @@ def _swap_rows(
                 continue
             own[layer], other[layer] = a, b
             gain[layer] = (heavy_load - pair_max) / heavy_load
+            cost[layer] = _slots_changed_by_swap(phy2log, reference, layer, a, b) if counted else 2
             found += 1
         if found == 0:
             break
-        if 2 * found > budget:  # the largest relative gains first
-            order = np.argsort(-gain, kind="mergesort")
-            for rank in range(budget // 2, num_layers):
-                gain[order[rank]] = -1.0
+        # The largest relative gains first; a layer whose best swap no longer fits the budget stops.
+        order = np.argsort(-gain, kind="mergesort")
+        spent = 0
+        for rank in range(found):
+            layer = order[rank]
+            if spent + cost[layer] > budget:
+                gain[layer] = -1.0
+                active[layer] = False
+            else:
+                spent += cost[layer]
+        if not (gain >= 0.0).any():
+            break
         for layer in range(num_layers):
             if gain[layer] < 0.0:
                 continue
@@ -215,7 +247,7 @@ def _swap_rows(
             phy2log[layer, a], phy2log[layer, b] = phy2log[layer, b], phy2log[layer, a]
             slot_load[layer, a], slot_load[layer, b] = slot_load[layer, b], slot_load[layer, a]
             moves[layer] += 2
-            budget -= 2
+            budget -= cost[layer]
 
 
 def improve_by_swaps(
@@ -228,6 +260,7 @@ def improve_by_swaps(
     max_steps: int = 1000,
     min_gain: float = 1e-9,
     max_total_moves: int | None = None,
+    reference: np.ndarray | None = None,
 ) -> np.ndarray:
     """Swap slots between GPUs (within a domain) to lower each layer's heaviest GPU; in place.
 
@@ -243,16 +276,20 @@ def improve_by_swaps(
             (GPUs per node keeps a hierarchical plan's node assignment); ``None`` = all GPUs.
         target: ``[L]`` a layer stops once its heaviest GPU is at or below this (e.g. a lower bound).
         max_steps: cap on iterations. min_gain: see above.
-        max_total_moves: cap on changed slots over all layers (a swap changes two); when a step
-            would exceed it, the swaps with the largest relative gains go first. ``None`` = no cap.
+        max_total_moves: cap on changed slots over all layers; the swaps with the largest
+            relative gains go first, and a layer whose best swap would pass the cap stops.
+            ``None`` = no cap. A swap costs two slots, or with ``reference`` (``[L, R]``, e.g. the
+            plan being migrated from) what it changes in the count of slots that differ from it
+            (a swap touching an already changed slot costs less).
     Returns:
-        ``[L]`` number of slots changed per layer.
+        ``[L]`` number of slots swapped per layer (two per swap).
     """
     num_layers = phy2log.shape[0]
     if target is None:
         target = np.full(num_layers, -np.inf)
     moves = np.zeros(num_layers, dtype=np.int64)
-    budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
+    budget = _NO_CAP if max_total_moves is None else int(max_total_moves)
+    counted = reference is not None
     _swap_rows(
         phy2log,
         slot_load,
@@ -262,6 +299,8 @@ def improve_by_swaps(
         float(min_gain),
         int(max_steps),
         budget,
+        np.ascontiguousarray(reference if counted else phy2log, dtype=np.int64),
+        counted,
         moves,
     )
     return moves
@@ -276,6 +315,7 @@ def shift_replicas(
     max_total_moves: int | None = None,
     donors: int = 8,
     gpus_per_domain: int | None = None,
+    reference: np.ndarray | None = None,
 ) -> np.ndarray:
     """Move replicas between experts (one slot changes its expert) while that lowers the heaviest GPU.
 
@@ -289,32 +329,46 @@ def shift_replicas(
 
     Args:
         phy2log: ``[L, R]`` modified in place. load: ``[L, E]``.
+        max_total_moves: cap on changed slots over all layers, spent layer by layer. A
+            reassignment costs one slot, or with ``reference`` (``[L, R]``, e.g. the plan being
+            migrated from) what it changes in the count of slots that differ from it.
     Returns:
         ``[L]`` slots reassigned per layer.
     """
     num_layers, num_replicas = phy2log.shape
+    counted = reference is not None
     slot_gpu = np.arange(num_replicas) // (num_replicas // num_gpus)
     slot_domain = slot_gpu // (gpus_per_domain or num_gpus)
-    budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
+    budget = _NO_CAP if max_total_moves is None else int(max_total_moves)
     moves = np.zeros(num_layers, dtype=np.int64)
     load = np.ascontiguousarray(load, dtype=np.float64)
     for layer in range(num_layers):
         if budget <= 0:
             break
         row = np.ascontiguousarray(phy2log[layer])
-        moves[layer] = _shift_layer(
-            row, load[layer], slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
+        ref = np.ascontiguousarray(reference[layer] if counted else row, dtype=np.int64)
+        moves[layer], spent = _shift_layer(
+            row,
+            load[layer],
+            slot_gpu,
+            slot_domain,
+            num_gpus,
+            min_gain,
+            budget,
+            donors,
+            ref,
+            counted,
         )
         phy2log[layer] = row
-        budget -= moves[layer]
+        budget -= spent
     return moves
 
 
 @kernel()
 def _shift_layer(
-    experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
+    experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors, reference, counted
 ):  # pragma: no cover
-    """One layer of :func:`shift_replicas`; returns the slots reassigned."""
+    """One layer of :func:`shift_replicas`; returns the slots reassigned and the budget spent."""
     num_replicas = experts.size
     num_experts = weights.size
     counts = np.zeros(num_experts, dtype=np.int64)
@@ -328,8 +382,8 @@ def _shift_layer(
     in_domain = np.zeros(num_replicas, dtype=np.bool_)
     is_receiver = np.zeros(num_experts, dtype=np.bool_)
     new = np.empty(num_gpus)
-    moves = 0
-    while moves < budget:
+    moves, spent = 0, 0
+    while spent < budget or counted:
         for e in range(num_experts):
             per_replica[e] = weights[e] / counts[e]
             after_loss[e] = weights[e] / max(counts[e] - 1, 1) if counts[e] >= 2 else np.inf
@@ -395,11 +449,18 @@ def _shift_layer(
                     best_value, best_slot, best_receiver = pick_value, pick, receiver
         if best_slot < 0:
             break
+        cost = 1
+        if counted:
+            was = experts[best_slot] != reference[best_slot]
+            cost = int(best_receiver != reference[best_slot]) - int(was)
+        if spent + cost > budget:
+            break
         counts[experts[best_slot]] -= 1
         counts[best_receiver] += 1
         experts[best_slot] = best_receiver
         moves += 1
-    return moves
+        spent += cost
+    return moves, spent
 
 
 def reassign_duplicates(

@@ -325,6 +325,7 @@ def _migrate(
             target=target,
             min_gain=min_gain,
             max_total_moves=budget_left(),
+            reference=previous.phy2log,
         )
 
     swaps()
@@ -338,6 +339,7 @@ def _migrate(
             min_gain=min_gain,
             max_total_moves=budget_left(),
             gpus_per_domain=domain,
+            reference=previous.phy2log[above],
         )
         phy2log[above] = sub
         if shifted.any():

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from moeinfra.engine.core import EngineConfig
+from moeinfra.engine.config import EngineConfig
 from moeinfra.errors import InputError
 from moeinfra.server.autoscale import AutoscalePolicy, Autoscaler
 
