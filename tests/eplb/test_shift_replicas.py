@@ -18,67 +18,73 @@ def shift_replicas_by_hand(
     donors: int = 8,
     gpus_per_domain: int | None = None,
 ) -> np.ndarray:
-    """The rule of :func:`shift_replicas`, step by step in numpy (its earlier implementation)."""
+    """The rule of :func:`shift_replicas`, step by step in numpy (written from its docstring)."""
     num_layers, num_replicas = phy2log.shape
     num_experts = load.shape[1]
     slots_per_gpu = num_replicas // num_gpus
     slot_gpu = np.arange(num_replicas) // slots_per_gpu
     slot_domain = slot_gpu // (gpus_per_domain or num_gpus)
-    budget = np.iinfo(np.int64).max if max_total_moves is None else int(max_total_moves)
     moves = np.zeros(num_layers, dtype=np.int64)
-    for layer in range(num_layers):
-        weights = load[layer]
-        experts = phy2log[layer]
+
+    def best_step(layer: int) -> tuple[float, int, int]:
+        """(relative gain, slot, receiver) of the layer's best reassignment; gain -1 if none."""
+        weights, experts = load[layer], phy2log[layer]
         counts = np.bincount(experts, minlength=num_experts)
-        while budget > 0:
-            per_replica = weights / counts
-            gpu_load = np.bincount(slot_gpu, weights=per_replica[experts], minlength=num_gpus)
-            heavy = int(gpu_load.argmax())
-            current = gpu_load[heavy]
-            after_loss = np.where(counts >= 2, weights / np.maximum(counts - 1, 1), np.inf)
-            best = (current * (1.0 - min_gain), -1, -1)
-            for receiver in np.unique(experts[slot_gpu == heavy]):
-                holds = np.zeros(num_gpus, dtype=bool)
-                holds[slot_gpu[experts == receiver]] = True
-                home = np.zeros(num_replicas, dtype=bool)  # slots in a domain the receiver is in
-                home[np.isin(slot_domain, slot_domain[experts == receiver])] = True
-                gain_per = weights[receiver] / (counts[receiver] + 1) - per_replica[receiver]
-                base = (
-                    gpu_load
-                    + np.bincount(slot_gpu[experts == receiver], minlength=num_gpus) * gain_per
+        per_replica = weights / counts
+        gpu_load = np.bincount(slot_gpu, weights=per_replica[experts], minlength=num_gpus)
+        heavy = int(gpu_load.argmax())
+        current = gpu_load[heavy]
+        after_loss = np.where(counts >= 2, weights / np.maximum(counts - 1, 1), np.inf)
+        best = (current * (1.0 - min_gain), -1, -1)
+        for receiver in np.unique(experts[slot_gpu == heavy]):
+            holds = np.zeros(num_gpus, dtype=bool)
+            holds[slot_gpu[experts == receiver]] = True
+            home = np.zeros(num_replicas, dtype=bool)  # slots in a domain the receiver is in
+            home[np.isin(slot_domain, slot_domain[experts == receiver])] = True
+            gain_per = weights[receiver] / (counts[receiver] + 1) - per_replica[receiver]
+            base = (
+                gpu_load + np.bincount(slot_gpu[experts == receiver], minlength=num_gpus) * gain_per
+            )
+            for donor in np.argsort(after_loss, kind="stable")[:donors]:
+                if donor == receiver or not np.isfinite(after_loss[donor]):
+                    continue
+                loss_per = after_loss[donor] - per_replica[donor]
+                new = base + np.bincount(slot_gpu[experts == donor], minlength=num_gpus) * loss_per
+                candidates = np.flatnonzero((experts == donor) & ~holds[slot_gpu] & home)
+                if candidates.size == 0:
+                    continue
+                order = np.argsort(-new, kind="stable")
+                top, second = order[0], order[1] if num_gpus > 1 else order[0]
+                cand_gpu = slot_gpu[candidates]
+                at_cand = (
+                    new[cand_gpu] - after_loss[donor] + weights[receiver] / (counts[receiver] + 1)
                 )
-                for donor in np.argsort(after_loss, kind="stable")[:donors]:
-                    if donor == receiver or not np.isfinite(after_loss[donor]):
-                        continue
-                    loss_per = after_loss[donor] - per_replica[donor]
-                    new = (
-                        base
-                        + np.bincount(slot_gpu[experts == donor], minlength=num_gpus) * loss_per
-                    )
-                    candidates = np.flatnonzero((experts == donor) & ~holds[slot_gpu] & home)
-                    if candidates.size == 0:
-                        continue
-                    order = np.argsort(-new, kind="stable")
-                    top, second = order[0], order[1] if num_gpus > 1 else order[0]
-                    cand_gpu = slot_gpu[candidates]
-                    at_cand = (
-                        new[cand_gpu]
-                        - after_loss[donor]
-                        + weights[receiver] / (counts[receiver] + 1)
-                    )
-                    others = np.where(cand_gpu == top, new[second], new[top])
-                    resulting = np.maximum(at_cand, others)
-                    pick = int(resulting.argmin())
-                    if resulting[pick] < best[0]:
-                        best = (resulting[pick], int(candidates[pick]), int(receiver))
-            if best[1] < 0:
-                break
-            _, slot, receiver = best
-            counts[experts[slot]] -= 1
-            counts[receiver] += 1
-            experts[slot] = receiver
-            moves[layer] += 1
-            budget -= 1
+                others = np.where(cand_gpu == top, new[second], new[top])
+                resulting = np.maximum(at_cand, others)
+                pick = int(resulting.argmin())
+                if resulting[pick] < best[0]:
+                    best = (resulting[pick], int(candidates[pick]), int(receiver))
+        if best[1] < 0:
+            return -1.0, -1, -1
+        return (current - best[0]) / current, best[1], best[2]
+
+    def apply(layer: int, slot: int, receiver: int) -> None:
+        phy2log[layer, slot] = receiver
+        moves[layer] += 1
+
+    if max_total_moves is None:  # layer after layer, each to its end
+        for layer in range(num_layers):
+            while (step := best_step(layer))[1] >= 0:
+                apply(layer, step[1], step[2])
+        return moves
+    budget = int(max_total_moves)
+    while budget > 0:  # the largest relative gain of all layers first (ties: the lower layer)
+        steps = [best_step(layer) for layer in range(num_layers)]
+        layer = int(np.argmax([g for g, _, _ in steps]))
+        if steps[layer][1] < 0:
+            break
+        apply(layer, steps[layer][1], steps[layer][2])
+        budget -= 1
     return moves
 
 

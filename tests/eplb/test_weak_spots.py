@@ -156,11 +156,6 @@ def test_the_move_budget_goes_to_the_largest_gain_first():
     assert _gpu_loads(plan.phy2log[1], load[1], 2).max() == 6.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #18 finding: replica reassignments spend the budget layer by layer in layer "
-    "order (shift_replicas), not largest gain first as docs/eplb.md says",
-)
 def test_the_move_budget_goes_to_the_largest_replica_shift_first():
     # docs/eplb.md: swaps and, where a load shift changed how many replicas an expert deserves,
     # replica reassignments, "largest gains first, at most max_moves changed slots in total".

@@ -329,9 +329,11 @@ def shift_replicas(
 
     Args:
         phy2log: ``[L, R]`` modified in place. load: ``[L, E]``.
-        max_total_moves: cap on changed slots over all layers, spent layer by layer. A
-            reassignment costs one slot, or with ``reference`` (``[L, R]``, e.g. the plan being
-            migrated from) what it changes in the count of slots that differ from it.
+        max_total_moves: cap on changed slots over all layers. Under a cap each step applies,
+            of every layer's best reassignment, the one with the largest relative gain (ties: the
+            lower layer) that fits; without one, layer after layer to the end. A reassignment
+            costs one slot, or with ``reference`` (``[L, R]``, e.g. the plan being migrated from)
+            what it changes in the count of slots that differ from it.
     Returns:
         ``[L]`` slots reassigned per layer.
     """
@@ -342,26 +344,51 @@ def shift_replicas(
     budget = _NO_CAP if max_total_moves is None else int(max_total_moves)
     moves = np.zeros(num_layers, dtype=np.int64)
     load = np.ascontiguousarray(load, dtype=np.float64)
-    for layer in range(num_layers):
-        if budget <= 0:
-            break
-        row = np.ascontiguousarray(phy2log[layer])
-        ref = np.ascontiguousarray(reference[layer] if counted else row, dtype=np.int64)
-        moves[layer], spent = _shift_layer(
-            row,
-            load[layer],
-            slot_gpu,
-            slot_domain,
-            num_gpus,
-            min_gain,
-            budget,
-            donors,
-            ref,
-            counted,
+    args = (slot_gpu, slot_domain, num_gpus, min_gain)
+    if max_total_moves is None:
+        for layer in range(num_layers):
+            row = np.ascontiguousarray(phy2log[layer])
+            moves[layer], _ = _shift_layer(row, load[layer], *args, budget, donors, row, False)
+            phy2log[layer] = row
+        return moves
+    rows = np.ascontiguousarray(phy2log, dtype=np.int64)
+    refs = np.ascontiguousarray(reference if counted else rows, dtype=np.int64)
+
+    def best_step(layer: int) -> tuple[float, np.ndarray | None, int]:
+        """The layer's best reassignment: (relative gain, the row after it, its cost)."""
+        row = rows[layer].copy()
+        done, _ = _shift_layer(row, load[layer], *args, 1, donors, row, False)
+        if not done:
+            return -1.0, None, 0
+        before, after = (
+            _heaviest_gpu_load(rows[layer], load[layer], slot_gpu),
+            _heaviest_gpu_load(row, load[layer], slot_gpu),
         )
-        phy2log[layer] = row
-        budget -= spent
+        slot = int(np.flatnonzero(row != rows[layer])[0])
+        cost = 1
+        if counted:
+            cost = int(row[slot] != refs[layer, slot]) - int(rows[layer, slot] != refs[layer, slot])
+        return (before - after) / before, row, cost
+
+    steps = [best_step(layer) for layer in range(num_layers)]
+    while True:
+        fits = [g if row is not None and c <= budget else -1.0 for g, row, c in steps]
+        layer = int(np.argmax(fits))
+        if fits[layer] < 0.0:
+            break
+        _, row, cost = steps[layer]
+        rows[layer] = row
+        moves[layer] += 1
+        budget -= cost
+        steps[layer] = best_step(layer)
+    phy2log[:] = rows
     return moves
+
+
+def _heaviest_gpu_load(row: np.ndarray, weights: np.ndarray, slot_gpu: np.ndarray) -> float:
+    """Load of the heaviest GPU of one layer (an expert's load split over its replicas)."""
+    per_replica = weights / np.bincount(row, minlength=weights.size).clip(min=1)
+    return float(np.bincount(slot_gpu, weights=per_replica[row]).max())
 
 
 @kernel()

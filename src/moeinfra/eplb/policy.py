@@ -30,8 +30,8 @@ a layer stops once its heaviest GPU is within ``tolerance`` of the lower bound.
 
 Migration-aware mode (``previous`` given): start from the previous placement, apply only swaps (and
 replica reassignments where the load now calls for other replica counts) that lower the heaviest
-GPU by more than ``min_gain`` of its load, at most ``max_moves`` changed slots in total; swaps the
-largest relative gains first, reassignments layer by layer (docs/eplb.md).
+GPU by more than ``min_gain`` of its load, at most ``max_moves`` changed slots in total (counted
+against ``previous``), the largest relative gains first (docs/eplb.md).
 """
 
 from __future__ import annotations
