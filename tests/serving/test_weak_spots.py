@@ -1,0 +1,97 @@
+"""Tight known answers for the serving model (issue #18), each worked from the formulas of
+docs/serving-model.md with the preset's published constants, not by running another part of the
+model to get the number."""
+
+import numpy as np
+import pytest
+
+from moeinfra.serving.perfmodel import COMBINE_BYTES_PER_TOKEN, DISPATCH_BYTES_PER_TOKEN, PerfModel
+from moeinfra.serving.specs import Deployment, hardware
+
+H800 = hardware("h800")
+
+
+def test_a_one_node_units_all_to_all_is_nvlink_to_seven_peers():
+    # One node of 8 GPUs: a token's 8 experts sit on min(8, 8) GPUs, 7 of them another GPU, all
+    # over NVLink (160 GB/s, DeepEP's achieved share); nothing crosses RDMA. Per micro-batch of
+    # 8,192 tokens (16,384 per GPU, two micro-batches).
+    perf = PerfModel(Deployment("prefill", nodes=1), H800)
+    eff = perf.eff
+    bw = 160e9 * eff.nvlink / eff.comm_time
+    assert H800.nvlink_gb_per_s == 160
+    dispatch = 8192 * 7392 * 7 / bw + eff.comm_launch_s
+    combine = 8192 * 14336 * 7 / bw + eff.comm_launch_s
+    assert (DISPATCH_BYTES_PER_TOKEN, COMBINE_BYTES_PER_TOKEN) == (7392, 14336)
+    b = perf.prefill_breakdown()
+    moe = perf.model.num_dense_layers  # the first MoE layer
+    assert b.parts["dispatch"][moe] == pytest.approx(2 * dispatch, rel=1e-12)
+    assert b.parts["combine"][moe] == pytest.approx(2 * combine, rel=1e-12)
+    assert b.parts["dispatch"][0] == 0.0  # dense layers exchange nothing
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_one_micro_batch_overlaps_nothing_and_two_overlap_by_the_rule(phase):
+    def breakdown(mb):
+        perf = PerfModel(
+            Deployment(phase, nodes=4 if phase == "prefill" else 18, micro_batches=mb), H800
+        )
+        return perf.prefill_breakdown() if phase == "prefill" else perf.decode_breakdown(64, 4096)
+
+    one, two = breakdown(1), breakdown(2)
+    moe = one.parts["routed"].nonzero()[0][0]
+    parts = {name: values[moe] for name, values in one.parts.items()}
+    assert one.layer[moe] == pytest.approx(sum(parts.values()), rel=1e-12)  # everything in series
+    assert (
+        one.layer[0]
+        == pytest.approx(parts_dense := sum(v[0] for v in one.parts.values()), rel=1e-12)
+        and parts_dense > 0
+    )
+    # Two micro-batches: each exchange hides behind the other micro-batch's compute segment:
+    # 2 * (max(mlp, dispatch) + max(attention, combine)) with per-micro-batch halves of the parts.
+    half = {name: values[moe] / 2 for name, values in two.parts.items()}
+    mlp = half["shared"] + half["routed"]
+    attention = half["attn_proj"] + half["core_attn"] + half["gate"]
+    expect = 2 * (max(mlp, half["dispatch"]) + max(attention, half["combine"]))
+    assert two.layer[moe] == pytest.approx(expect, rel=1e-12)
+    assert two.layer[moe] < sum(two.parts[name][moe] for name in two.parts)
+
+
+def test_the_decode_step_and_its_breakdown_agree():
+    # decode_step_s (vectorised, used by the simulator) and decode_breakdown (the CLI's table)
+    # are separate code paths; one step is the same seconds either way.
+    perf = PerfModel(Deployment("decode", nodes=18), H800)
+    for batch, kv in ((1, 0), (64, 4989), (128, 4096), (7.5, 30000)):
+        b = perf.decode_breakdown(batch, kv)
+        assert float(perf.decode_step_s(batch, kv)) == pytest.approx(b.step_s, rel=1e-12)
+
+
+def test_request_and_kv_imbalance_scale_the_slowest_rank():
+    # A rank with 1.5x the mean requests and 2x the mean KV tokens runs batch 1.5 b with mean KV
+    # (2 / 1.5) kv per request: the same step as a balanced unit at those figures.
+    perf = PerfModel(Deployment("decode", nodes=18), H800)
+    skewed = float(perf.decode_step_s(64, 4000, request_imbalance=1.5, kv_imbalance=2.0))
+    assert skewed == pytest.approx(float(perf.decode_step_s(96, 4000 * 2 / 1.5)), rel=1e-12)
+    assert skewed > float(perf.decode_step_s(64, 4000))
+
+
+def test_prefill_core_attention_is_the_roofline_of_its_flops_and_kv_bytes():
+    # Per micro-batch of nb tokens attending `keys` keys each: FLOPs 2 * heads * (qk + v) * nb * keys
+    # (128 heads, qk 192, v 128) and KV read nb * 2 * (512 + 64) bytes (BF16 latent + rope);
+    # time = attention_time * max(FLOPs / (bf16 peak * eff * SM share), bytes / (HBM * eff)).
+    perf = PerfModel(Deployment("prefill", nodes=4), H800)
+    eff, m = perf.eff, perf.model
+    assert (m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) == (128, 192, 128)
+    assert m.kv_values_per_token_layer == 512 + 64
+    nb, keys = 8192, 1000.0
+    flops = 2 * 128 * (192 + 128) * nb * keys
+    kv_bytes = nb * 2 * m.kv_values_per_token_layer
+    expect = eff.attention_time * max(
+        flops / (H800.bf16_tflops * 1e12 * eff.attention_compute * eff.prefill_compute_sms),
+        kv_bytes / (H800.hbm_tb_per_s * 1e12 * eff.memory),
+    )
+    b = perf.prefill_breakdown(16384, attn_keys_per_token=keys)
+    assert b.parts["core_attn"][0] == pytest.approx(2 * expect, rel=1e-12)
+    # linear in the keys attended once compute-bound
+    b2 = perf.prefill_breakdown(16384, attn_keys_per_token=2 * keys)
+    assert b2.parts["core_attn"][0] == pytest.approx(2 * b.parts["core_attn"][0], rel=1e-12)
+    assert np.all(b2.parts["attn_proj"] == b.parts["attn_proj"])
