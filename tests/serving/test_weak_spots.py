@@ -95,3 +95,46 @@ def test_prefill_core_attention_is_the_roofline_of_its_flops_and_kv_bytes():
     b2 = perf.prefill_breakdown(16384, attn_keys_per_token=2 * keys)
     assert b2.parts["core_attn"][0] == pytest.approx(2 * b.parts["core_attn"][0], rel=1e-12)
     assert np.all(b2.parts["attn_proj"] == b.parts["attn_proj"])
+
+
+def test_a_single_requests_kv_transfer_delays_its_decode_not_its_first_token():
+    # One request of 8,192 prompt and 64 output tokens on an idle 1:1 fleet. Its latent KV,
+    # 2 bytes x (512 + 64) x 61 layers = 70,272 bytes per token, crosses RDMA after the prefill.
+    # Only the prefill unit's NIC differs between the two runs (a one-node prefill unit exchanges
+    # over NVLink, so the NIC enters nothing else): the first token comes at the same time, the
+    # last one later by exactly the extra transfer, 8,192 x 70,272 B x (1/25 - 1/50) / 1e9 s.
+    from dataclasses import replace
+
+    from moeinfra.serving.schedule import constant_schedule
+    from moeinfra.serving.simulate import SimConfig, simulate
+    from moeinfra.serving.workload import Workload
+
+    assert PerfModel(Deployment("prefill", nodes=1), H800).model.kv_bytes_per_token == 70_272
+    one = np.ones(1)
+    workload = Workload(
+        0.0 * one,
+        8192 * one.astype(int),
+        64 * one.astype(int),
+        0 * one.astype(int),
+        1.0,
+        100.0,
+        "one",
+    )
+    decode = PerfModel(Deployment("decode", nodes=18), H800)
+    runs = []
+    for nic_gb_per_s in (50.0, 25.0):
+        hw = replace(H800, rdma_gb_per_s=nic_gb_per_s)
+        prefill = PerfModel(Deployment("prefill", nodes=1), hw)
+        schedule = constant_schedule(1, 1, 100.0, 1, 18)
+        runs.append(
+            simulate(
+                workload, schedule, prefill, decode, SimConfig(tick_s=100.0, record_every_s=100.0)
+            )
+        )
+    fast, slow = runs
+    assert fast.status[0] == slow.status[0] == 0  # completed
+    assert slow.ttft_s[0] == fast.ttft_s[0]
+    extra = 8192 * 70_272 * (1 / 25 - 1 / 50) / 1e9
+    assert extra == pytest.approx(0.011513, rel=1e-4)  # 575,668,224 B x 0.02 s/GB
+    assert slow.finish_s[0] - fast.finish_s[0] == pytest.approx(extra, rel=1e-9)
+    assert slow.tpot_s[0] - fast.tpot_s[0] == pytest.approx(extra / 63, rel=1e-9)
