@@ -58,10 +58,10 @@ def test_generate_chat_on_the_default_checkpoint(tmp_path):
     [
         (
             ["generate", "-p", "x", "--model", "/nonexistent"],
-            "model='/nonexistent' is not a folder",
+            "--model=/nonexistent: no such folder",
         ),
         (["generate", "-p", "x", "--top-p", "2"], "top_p=2.0 must be a number in (0, 1]"),
-        (["generate", "-p", "x", "--ranks", "0"], "ranks=0 must be a positive integer"),
+        (["generate", "-p", "x", "--ranks", "0"], "--ranks=0 must be a positive integer"),
         (["init-tiny", "/tmp/x", "--tokenizer", "gpt2"], "tokenizer='gpt2' is not allowed"),
     ],
 )
@@ -75,7 +75,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tiny_path):
 
 
 def test_engine_options_are_checked_before_torch_is_imported():
-    # `serve up` checks its engine options with EngineConfig; a typo must not wait for torch.
+    # `serve up` / `engine generate` check their options with EngineConfig / SamplingParams; a typo
+    # must not wait for torch.
     code = (
         "import sys\n"
         "from moeinfra.engine import EngineConfig\n"
@@ -86,6 +87,9 @@ def test_engine_options_are_checked_before_torch_is_imported():
         "    print(e)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from moeinfra.engine import SamplingParams\n"
+        "SamplingParams(top_p=0.5)\n"
+        "assert 'torch' not in sys.modules, 'torch imported by SamplingParams'\n"
+        "from moeinfra.engine import LLM\n"
         "assert 'torch' in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

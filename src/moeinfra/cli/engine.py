@@ -55,8 +55,15 @@ def generate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Generate a completion for each prompt."""
-    from moeinfra.engine import LLM, SamplingParams
+    from moeinfra.cli.options import input_folder
+    from moeinfra.engine.params import SamplingParams
+    from moeinfra.errors import InputError
 
+    # Options first: a typo fails at once, before torch and the model load.
+    if model is not None:
+        input_folder(model, "--model")
+    if ranks < 1:
+        raise InputError(f"--ranks={ranks} must be a positive integer")
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -66,6 +73,8 @@ def generate(
         seed=seed,
         ignore_eos=ignore_eos,
     )
+    from moeinfra.engine import LLM
+
     with LLM(
         model, ranks=ranks, redundant_experts=redundant_experts, overlap=overlap, dtype=dtype
     ) as llm:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from moeinfra.engine.kv_blocks import BlockManager, block_hashes
     from moeinfra.engine.llm import LLM
     from moeinfra.engine.outputs import CompletionOutput, RequestOutput
-    from moeinfra.engine.sampling import SamplingParams
+    from moeinfra.engine.params import SamplingParams
     from moeinfra.engine.tiny import default_model, init_tiny
     from moeinfra.engine.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ _LAZY = {
     "LLM": "llm",
     "CompletionOutput": "outputs",
     "RequestOutput": "outputs",
-    "SamplingParams": "sampling",
+    "SamplingParams": "params",
     "default_model": "tiny",
     "init_tiny": "tiny",
     "Tokenizer": "tokenizer",
