@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeinfra.eplb.jit import kernel
+from moeinfra.eplb.plan import count_replicas, gpu_loads
 
 _NO_CAP = 1 << 62  # an unlimited move budget (room for swaps that give slots back: no overflow)
 
@@ -348,7 +349,7 @@ def shift_replicas(
     if max_total_moves is None:
         for layer in range(num_layers):
             row = np.ascontiguousarray(phy2log[layer])
-            moves[layer], _ = _shift_layer(row, load[layer], *args, budget, donors, row, False)
+            moves[layer] = _shift_layer(row, load[layer], *args, budget, donors)
             phy2log[layer] = row
         return moves
     rows = np.ascontiguousarray(phy2log, dtype=np.int64)
@@ -357,12 +358,12 @@ def shift_replicas(
     def best_step(layer: int) -> tuple[float, np.ndarray | None, int]:
         """The layer's best reassignment: (relative gain, the row after it, its cost)."""
         row = rows[layer].copy()
-        done, _ = _shift_layer(row, load[layer], *args, 1, donors, row, False)
-        if not done:
+        if not _shift_layer(row, load[layer], *args, 1, donors):
             return -1.0, None, 0
-        before, after = (
-            _heaviest_gpu_load(rows[layer], load[layer], slot_gpu),
-            _heaviest_gpu_load(row, load[layer], slot_gpu),
+        pair = np.stack([rows[layer], row])
+        weights = np.broadcast_to(load[layer], (2, load.shape[1]))
+        before, after = gpu_loads(weights, pair, count_replicas(pair, load.shape[1]), num_gpus).max(
+            axis=1
         )
         slot = int(np.flatnonzero(row != rows[layer])[0])
         cost = 1
@@ -385,17 +386,11 @@ def shift_replicas(
     return moves
 
 
-def _heaviest_gpu_load(row: np.ndarray, weights: np.ndarray, slot_gpu: np.ndarray) -> float:
-    """Load of the heaviest GPU of one layer (an expert's load split over its replicas)."""
-    per_replica = weights / np.bincount(row, minlength=weights.size).clip(min=1)
-    return float(np.bincount(slot_gpu, weights=per_replica[row]).max())
-
-
 @kernel()
 def _shift_layer(
-    experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors, reference, counted
+    experts, weights, slot_gpu, slot_domain, num_gpus, min_gain, budget, donors
 ):  # pragma: no cover
-    """One layer of :func:`shift_replicas`; returns the slots reassigned and the budget spent."""
+    """One layer of :func:`shift_replicas`; returns the slots reassigned."""
     num_replicas = experts.size
     num_experts = weights.size
     counts = np.zeros(num_experts, dtype=np.int64)
@@ -409,8 +404,8 @@ def _shift_layer(
     in_domain = np.zeros(num_replicas, dtype=np.bool_)
     is_receiver = np.zeros(num_experts, dtype=np.bool_)
     new = np.empty(num_gpus)
-    moves, spent = 0, 0
-    while spent < budget or counted:
+    moves = 0
+    while moves < budget:
         for e in range(num_experts):
             per_replica[e] = weights[e] / counts[e]
             after_loss[e] = weights[e] / max(counts[e] - 1, 1) if counts[e] >= 2 else np.inf
@@ -476,18 +471,11 @@ def _shift_layer(
                     best_value, best_slot, best_receiver = pick_value, pick, receiver
         if best_slot < 0:
             break
-        cost = 1
-        if counted:
-            was = experts[best_slot] != reference[best_slot]
-            cost = int(best_receiver != reference[best_slot]) - int(was)
-        if spent + cost > budget:
-            break
         counts[experts[best_slot]] -= 1
         counts[best_receiver] += 1
         experts[best_slot] = best_receiver
         moves += 1
-        spent += cost
-    return moves, spent
+    return moves
 
 
 def reassign_duplicates(
