@@ -12,6 +12,7 @@ Needs torch, safetensors, tokenizers and jinja2 (``pip install moeinfra[engine]`
 from typing import TYPE_CHECKING
 
 from moeinfra.engine.config import EngineConfig
+from moeinfra.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from moeinfra.engine.core import EngineCore, StepOutput
@@ -38,13 +39,7 @@ _LAZY = {
     "Tokenizer": "tokenizer",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"moeinfra.engine.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'moeinfra.engine' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

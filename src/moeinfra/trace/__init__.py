@@ -23,6 +23,7 @@ Typical use::
 
 from typing import TYPE_CHECKING
 
+from moeinfra.lazy import lazy_attributes
 from moeinfra.trace.attribution import Attribution, attribute, phase_breakdown, region_breakdown
 from moeinfra.trace.classify import (
     CLASS_NAMES,
@@ -60,13 +61,7 @@ _LAZY = {
     "queue_summary": "queue",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"moeinfra.trace.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'moeinfra.trace' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
