@@ -224,18 +224,23 @@ def _swap_rows(
             found += 1
         if found == 0:
             break
-        # The largest relative gains first; a layer whose best swap no longer fits the budget stops.
-        order = np.argsort(-gain, kind="mergesort")
-        spent = 0
-        for rank in range(found):
-            layer = order[rank]
-            if spent + cost[layer] > budget:
-                gain[layer] = -1.0
-                active[layer] = False
-            else:
-                spent += cost[layer]
-        if not (gain >= 0.0).any():
-            break
+        wanted = 0
+        for layer in range(num_layers):
+            if gain[layer] >= 0.0:
+                wanted += cost[layer]
+        if wanted > budget:
+            # The largest relative gains first; a layer whose best swap no longer fits stops.
+            order = np.argsort(-gain, kind="mergesort")
+            spent = 0
+            for rank in range(found):
+                layer = order[rank]
+                if spent + cost[layer] > budget:
+                    gain[layer] = -1.0
+                    active[layer] = False
+                else:
+                    spent += cost[layer]
+            if not (gain >= 0.0).any():
+                break
         for layer in range(num_layers):
             if gain[layer] < 0.0:
                 continue
