@@ -87,7 +87,10 @@ def test_usage_errors_are_one_line_exit_2_without_the_usage_box(tmp_path):
             ("eplb", "nope"),
             "error: no such command 'nope' (commands: plan, eval, show, bench, warm)",
         ),
-        (("pipeline", "simulate", "-s", "1f1b", "-r", "x"), "error: --ranks=x: 'x' is not a valid int"),
+        (
+            ("pipeline", "simulate", "-s", "1f1b", "-r", "x"),
+            "error: --ranks=x: 'x' is not a valid int",
+        ),
         (("no-such-command",), "error: no such command 'no-such-command' (commands: demo, engine"),
     ]
     for args, message in cases:
