@@ -221,3 +221,80 @@ def test_migration_to_a_load_that_needs_different_replica_counts():
     assert (half.phy2log[0] != before).sum() == 1
     np.testing.assert_array_equal(half.logcnt[0], [2, 1, 1, 2])
     assert _gpu_loads(half.phy2log[0], load, 3).max() == 5.5
+
+
+def test_transfers_spread_over_the_holders_only_in_changed_layers():
+    """Worked by hand from migration()'s docstring: per layer, each new (expert, GPU) is fetched
+    from the holder on its node that has sent the fewest weights so far, then the lowest GPU id;
+    a GPU that held the expert already copies locally (no transfer)."""
+    layout = check_layout(6, 12, 1, 1, 4)  # 4 GPUs x 3 slots, one node
+    load = np.ones((2, 6))
+    unchanged = [0, 1, 2, 0, 1, 3, 4, 5, 2, 4, 5, 3]
+    before = make_plan(np.array([unchanged, unchanged]), load, layout, "x")
+    after = make_plan(
+        np.array([unchanged, [0, 1, 2, 0, 1, 3, 0, 5, 1, 1, 4, 0]]), load, layout, "x"
+    )
+    result = migration(before, after)
+    # layer 1: slot 6 gets expert 0 (holders GPU0, GPU1, both sent 0 -> GPU0); slot 8 expert 1
+    # (GPU0 sent 1, GPU1 sent 0 -> GPU1); slot 9 expert 1 (both sent 1 -> GPU0); slot 10 expert 4
+    # was on GPU3 already (no transfer); slot 11 expert 0 (GPU0 sent 2, GPU1 sent 1 -> GPU1)
+    assert result.transfers.tolist() == [[1, 0, 0, 2], [1, 1, 1, 2], [1, 1, 0, 3], [1, 0, 1, 3]]
+    assert result.slots_changed == 5
+
+
+def test_a_transfer_comes_from_the_destination_node_even_from_an_odd_gpu():
+    layout = check_layout(4, 8, 2, 2, 4)  # 2 GPUs per node, 2 slots per GPU
+    load = np.ones((1, 4))
+    before = make_plan(np.array([[0, 1, 2, 3, 0, 2, 1, 3]]), load, layout, "x")
+    # both slots of GPU3 (node 1) get expert 0, held by GPU0 (node 0) and GPU2 (node 1): fetched
+    # once, from GPU2 (3 / 2 is not node 1: the node is the integer quotient)
+    after = make_plan(np.array([[0, 1, 2, 3, 0, 2, 0, 0]]), load, layout, "x")
+    result = migration(before, after)
+    assert result.transfers.tolist() == [[0, 0, 2, 3]]
+    assert result.slots_changed == 2
+    # expert 1 (only on GPU0, node 0) to GPU3 (node 1): no holder on that node, fetched from GPU0
+    one_holder = make_plan(np.array([[0, 1, 2, 3, 0, 2, 0, 3]]), load, layout, "x")
+    across = make_plan(np.array([[0, 1, 2, 3, 0, 2, 1, 3]]), load, layout, "x")
+    assert migration(one_holder, across).transfers.tolist() == [[0, 1, 0, 3]]
+
+
+def test_each_policy_labels_its_layers_and_deepseek_is_deepseeks_algorithm():
+    """docs/eplb.md: "deepseek" is DeepSeek's algorithm (hierarchical when groups divide the nodes,
+    else its global fallback); "auto" on one node is hierarchical; "global" stays global."""
+    from moeinfra.eplb import rebalance_experts
+
+    from .test_deepseek import EXAMPLE_WEIGHT
+
+    for groups, nodes, kind in ((4, 2, "hierarchical"), (3, 2, "global")):
+        plan = rebalance(EXAMPLE_WEIGHT, 16, groups, nodes, 8, policy="deepseek")
+        reference, _, _ = rebalance_experts(EXAMPLE_WEIGHT, 16, groups, nodes, 8)
+        np.testing.assert_array_equal(plan.phy2log, reference)
+        assert plan.policy == "deepseek" and plan.metrics["layer_policy"] == [kind, kind]
+    one_node = {"num_replicas": 16, "num_groups": 4, "num_nodes": 1, "num_gpus": 8}
+    for policy, kind in (("auto", "hierarchical"), ("global", "global"), ("hierarchical", None)):
+        plan = rebalance(EXAMPLE_WEIGHT, **one_node, policy=policy)
+        assert plan.metrics["layer_policy"] == [kind or policy] * 2, policy
+
+
+def test_migrating_a_small_hierarchical_plan_keeps_each_group_on_its_node():
+    """The V3-scale check of test_migration.py on layouts small enough for every mutant run:
+    12 experts in 4 groups, 2 nodes x 4 GPUs x 3 slots; strong drift, several seeds."""
+    layout = {"num_replicas": 24, "num_groups": 4, "num_nodes": 2, "num_gpus": 8}
+    rng = np.random.default_rng(7)
+    moved = 0
+    for _ in range(12):
+        load = rng.lognormal(0.0, 1.0, size=(3, 12)) * 100
+        before = rebalance(load, **layout, policy="hierarchical")
+        after = rebalance(
+            load * rng.lognormal(0.0, 1.0, size=load.shape), **layout, previous=before
+        )
+        assert after.policy == "hierarchical"
+        moved += after.metrics["moves"]
+        # expert -> node of each slot; a group's 3 experts all on one node, the same one as before
+        node = np.arange(24) // 12
+        for plan_ in (before, after):
+            for layer in range(3):
+                for group in range(4):
+                    in_group = plan_.phy2log[layer] // 3 == group
+                    assert np.unique(node[in_group]).size == 1, (layer, group)
+    assert moved > 0

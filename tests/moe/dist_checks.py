@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from moeinfra.eplb import migration, rebalance
+from moeinfra.eplb.inputs import check_layout
+from moeinfra.eplb.plan import make_plan
 from moeinfra.errors import InputError
 from moeinfra.moe.block import build_decoder
 from moeinfra.moe.comm import Communicator
@@ -69,6 +71,38 @@ def check_one_expert() -> str | None:
     if int(load[5]) != 40 * dist.get_world_size() or int(load.sum()) != int(load[5]):
         return f"load {load.tolist()} is not all on expert 5"
     return None if err <= TOL else f"max abs error {err:.3g}"
+
+
+def check_hot_expert_spread() -> str | None:
+    """Every rank's 7 tokens go to expert 5 only, which has a replica on every rank and a second
+    one on the rank holding it (16 experts, 16 / world + 1 slots per rank). Worked from
+    replica_for_tokens' rule: rank r numbers its tokens t * world + r, so its k-th pair goes to
+    replica (k + r) mod replicas; each rank receives, from each sender, exactly those counts."""
+    config = tiny()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    experts, tokens = config.num_routed_experts, 7
+    per_rank = experts // world
+    phy2log = np.array(
+        [[e for r in range(world) for e in [*range(r * per_rank, (r + 1) * per_rank), 5]]]
+    )
+    layout = check_layout(experts, phy2log.shape[1], config.num_expert_groups, 1, world)
+    plan = make_plan(phy2log, np.ones((1, experts)), layout, "hand")
+    ep = ExpertParallelMoE(build_moe(config, seed=6), plan, 0, Communicator())
+    replica_slots = np.flatnonzero(phy2log[0] == 5)  # replica j is the j-th slot holding 5
+    expected = np.zeros((world, per_rank + 1), dtype=np.int64)  # [sender, this rank's slot]
+    for sender in range(world):
+        for k in range(tokens):
+            slot = replica_slots[(k + sender) % replica_slots.size]
+            if slot // (per_rank + 1) == rank:
+                expected[sender, slot % (per_rank + 1)] += 1
+    x = _tokens(rank, tokens, config.hidden_size)
+    indices = torch.full((tokens, 1), 5, dtype=torch.int64)
+    routed = ep.dispatch(x, torch.ones(tokens, 1), indices)
+    _, recv_counts = routed.pending.wait()
+    got = recv_counts.view(world, per_rank + 1).numpy()
+    if not np.array_equal(got, expected):
+        return f"received per (sender, slot) {got.tolist()}, expected {expected.tolist()}"
+    return None
 
 
 def check_load_and_migration() -> str | None:
@@ -164,6 +198,7 @@ CHECKS = {
     "all_ranks_empty": lambda: check_equal_reference(0, [0]),
     "one_expert": check_one_expert,
     "load_and_migration": check_load_and_migration,
+    "hot_expert_spread": check_hot_expert_spread,
     "overlap_modes": check_overlap_modes,
     "bad_plan": check_bad_plan,
 }

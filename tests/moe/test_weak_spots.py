@@ -56,3 +56,61 @@ def test_a_longer_sequence_goes_first_whatever_its_place():
     split = split_micro_batches(segments)
     assert [[s.seq for s in split.segments[m]] for m in (0, 1)] == [[0, 2], [1]]
     assert _rows(split) == [[0, 1, 7, 8], [2, 3, 4, 5, 6]]
+
+
+def test_one_rank_spreads_a_hot_expert_over_its_replicas_counts_load_and_follows_a_new_plan():
+    import numpy as np
+
+    from moeinfra.eplb.inputs import check_layout
+    from moeinfra.eplb.plan import make_plan
+    from moeinfra.moe.config import tiny
+    from moeinfra.moe.expert_parallel import ExpertParallelMoE
+    from moeinfra.moe.layers import build_moe
+
+    config = tiny().replace(experts_per_token=1, groups_per_token=1)
+    moe = build_moe(config, seed=2)
+    with torch.no_grad():
+        moe.gate.bias[5] = 100.0  # every token's one expert is 5
+    layout = check_layout(16, 20, 4, 1, 1)
+    plan = make_plan(np.array([[*range(16), 5, 5, 9, 5]]), np.ones((1, 16)), layout, "hand")
+    ep = ExpertParallelMoE(moe, plan, 0)
+    ep.record_load = True
+    x = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        weights, indices = moe.gate(x)
+        assert (indices == 5).all()
+        # expert 5's replicas are slots 5, 16, 17, 19; token k goes to replica k mod 4: 3, 3, 2, 2
+        _, counts = ep.dispatch(x, weights, indices).pending.wait()
+        expected = torch.zeros(20, dtype=torch.int64)
+        expected[[5, 16, 17, 19]] = torch.tensor([3, 3, 2, 2])
+        assert torch.equal(counts, expected)
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)
+    load = ep.take_load()
+    assert load[5] == 20 and load.sum() == 20  # the dispatch above and the forward
+    assert ep.load_counts.sum() == 0
+    # one rank holds every expert: a new plan is all local copies, nothing received
+    moved = make_plan(np.array([[*range(16), 0, 1, 2, 3]]), np.ones((1, 16)), layout, "hand")
+    assert ep.apply_plan(moved) == 0
+    assert ep.local_experts() == [*range(16), 0, 1, 2, 3]
+    with torch.no_grad():
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)
+
+
+def test_experts_too_narrow_for_grouped_gemm_run_one_by_one_with_the_same_result():
+    """grouped_mm needs 16-byte-aligned strides: 30-wide float32 experts (120 bytes) take the
+    per-slot loop instead, and give the reference's output."""
+    import numpy as np
+
+    from moeinfra.eplb import rebalance
+    from moeinfra.moe.config import tiny
+    from moeinfra.moe.expert_parallel import ExpertParallelMoE
+    from moeinfra.moe.layers import build_moe
+
+    config = tiny().replace(moe_intermediate_size=30)
+    moe = build_moe(config, seed=3)
+    plan = rebalance(np.random.default_rng(2).random((1, 16)) * 100, 20, 4, 1, 1)
+    ep = ExpertParallelMoE(moe, plan, 0)
+    assert ep._stacked_weights() is None
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)

@@ -9,6 +9,7 @@ from functools import cache
 
 import pytest
 
+from moeinfra.errors import InputError
 from moeinfra.pipeline import (
     Costs,
     Schedule,
@@ -300,3 +301,52 @@ def test_dual_weight_gradients_follow_their_input_gradients_fifo(gen, ranks, mbs
         i_order = [(a.stage, a.mb) for a in acts if a.kind == "I"]
         w_order = [(a.stage, a.mb) for a in acts if a.kind == "W"]
         assert w_order == i_order
+
+
+def test_costs_parse_every_spelling_the_docstring_names():
+    costs = Costs.parse("f=1, B=2.5, w=0.5, F&B=3, i=1.75, lat=0.25")
+    assert (costs.F, costs.B, costs.W, costs.fb, costs.I, costs.latency) == (
+        1.0,
+        2.5,
+        0.5,
+        3.0,
+        1.75,
+        0.25,
+    )
+    assert Costs.parse("FB=4,latency=0.5").fb == 4.0
+    assert Costs(F=1, B=2, W=1, latency=0).latency == 0  # zero latency is allowed
+
+
+@pytest.mark.parametrize("generator", [gpipe, one_f_one_b, dualpipe, dualpipev])
+def test_a_bad_rank_count_names_num_ranks(generator):
+    with pytest.raises(InputError, match=r"^num_ranks=0 must be a positive integer"):
+        generator(0, 4)
+
+
+def test_a_simulation_reports_its_schedule_costs_and_ranks_by_name():
+    """The JSON ``moeinfra pipeline simulate --json`` prints: 1F1B, 2 ranks, 2 micro-batches, F=1,
+    B=2, worked by hand: rank 0 runs F0 [0, 1], F1 [1, 2], waits for rank 1's B0 [2, 4], B0 [4, 6],
+    waits for B1 [5, 7], B1 [7, 9]; rank 1 F0 [1, 2], B0 [2, 4], F1 [4, 5], B1 [5, 7]. Makespan 9,
+    each rank busy 6 and idle 3; rank 0 holds two activations at once, rank 1 one."""
+    result = simulate(one_f_one_b(2, 2), Costs(F=1, B=2, W=1))
+    doc = result.to_dict()
+    assert {k: doc[k] for k in ("schedule", "ranks", "stages", "microbatches", "comm")} == {
+        "schedule": "1f1b",
+        "ranks": 2,
+        "stages": 2,
+        "microbatches": 2,
+        "comm": "dataflow",
+    }
+    assert doc["costs"] == {"F": 1.0, "B": 2.0, "W": 1.0, "FB": 3.0, "latency": 0.0}
+    assert doc["makespan"] == 9.0 and doc["max_idle"] == 3.0
+    ranks = doc["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert set(ranks[0]) == {
+        "rank", "busy", "idle", "peak_activations", "peak_deferred_w", "params", "actions",
+        "starts", "ends",
+    }  # fmt: skip
+    assert [(r["busy"], r["idle"], r["peak_activations"]) for r in ranks] == [(6, 3, 2), (6, 3, 1)]
+    assert doc["peak_activations"] == 2
+    assert ranks[0]["actions"] == ["F0.0", "F0.1", "B0.0", "B0.1"]
+    assert (ranks[0]["starts"], ranks[0]["ends"]) == ([0, 1, 4, 7], [1, 2, 6, 9])
+    assert (ranks[1]["starts"], ranks[1]["ends"]) == ([1, 2, 4, 5], [2, 4, 5, 7])

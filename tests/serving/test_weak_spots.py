@@ -138,3 +138,51 @@ def test_a_single_requests_kv_transfer_delays_its_decode_not_its_first_token():
     assert extra == pytest.approx(0.011513, rel=1e-4)  # 575,668,224 B x 0.02 s/GB
     assert slow.finish_s[0] - fast.finish_s[0] == pytest.approx(extra, rel=1e-9)
     assert slow.tpot_s[0] - fast.tpot_s[0] == pytest.approx(extra / 63, rel=1e-9)
+
+
+def test_block_scaling_rounds_up_to_whole_blocks_of_the_more_demanding_phase():
+    from moeinfra.serving.schedule import utilisation_schedule
+
+    # Target 0.5 over 900 s intervals: 450 unit-seconds of work keep one unit busy. One request per
+    # interval carries the work, so the units needed are exact: prefill-heavy (7 prefill, 1 decode),
+    # on a block boundary (6, 1), decode-heavy (1, 5). Blocks of (3 prefill, 1 decode) units:
+    # ceil(7 / 3) = 3 blocks = (9, 3); ceil(6 / 3) = 2 blocks = (6, 2), not 3; max(1, 5) = 5 blocks.
+    arrival = np.array([0.0, 900.0, 1800.0])
+    prefill = np.array([7.0, 6.0, 1.0]) * 450.0
+    decode = np.array([1.0, 1.0, 5.0]) * 450.0
+    free = utilisation_schedule(arrival, prefill, decode, 2700.0, target=0.5)
+    tied = utilisation_schedule(arrival, prefill, decode, 2700.0, target=0.5, block=(3, 1))
+    assert [tuple(map(int, free.at(t))) for t in arrival] == [(7, 1), (6, 1), (1, 5)]
+    assert [tuple(map(int, tied.at(t))) for t in arrival] == [(9, 3), (6, 2), (15, 5)]
+    # node-seconds follow the units: (9 + 6 + 15) prefill units of 4 nodes, 900 s each
+    assert tied.node_seconds() == (30 * 4 * 900.0, 10 * 18 * 900.0)
+
+
+def test_a_request_finishing_mid_tick_is_in_the_batch_only_while_it_runs():
+    from moeinfra.serving.schedule import constant_schedule
+    from moeinfra.serving.simulate import SimConfig, simulate
+    from moeinfra.serving.specs import deepseek_decode_unit, deepseek_prefill_unit
+    from moeinfra.serving.workload import Workload
+
+    prefill = PerfModel(deepseek_prefill_unit(), H800)
+    decode = PerfModel(deepseek_decode_unit(), H800)
+    assert decode.eff.decode_interrupt_s == decode.eff.decode_contention == 0.0
+    # A needs 60 output tokens, B 100,000 (decoding throughout); both arrive at 0, 1-second ticks,
+    # each recorded alone. A request joins the batch when its KV has arrived (first token + the
+    # transfer of 1,000 tokens' KV over RDMA) and leaves it when its last token is out.
+    w = Workload(np.zeros(2), np.array([1000, 1000]), np.array([60, 100_000]), np.zeros(2, int))
+    res = simulate(
+        w, constant_schedule(1, 1, 5.0), prefill, decode, SimConfig(1.0, record_every_s=1.0)
+    )
+    transfer = 1000 * prefill.model.kv_bytes_per_token / (H800.rdma_gb_per_s * 1e9)
+    ready = res.ttft_s + transfer
+    step0, step1 = res.decode_step_s[0, 0], res.decode_step_s[1, 0]
+    requests = res.decode_batch_per_gpu[:, 0] * decode.gpus
+    # tick 0: each runs from its arrival at the decode unit to 1 s
+    assert requests[0] == pytest.approx((1 - ready[0]) + (1 - ready[1]), rel=1e-9)
+    # tick 1: B for the whole second, A for the time its remaining tokens take at tick 0's step
+    left = 59 - (1 - ready[0]) / step0
+    assert 0 < left * step0 < 1
+    assert requests[1] == pytest.approx(1 + left * step0, rel=1e-9)
+    assert res.finish_s[0] == pytest.approx(1 + left * step1, rel=1e-9)
+    assert requests[2] == pytest.approx(1.0, rel=1e-12)  # A is gone
