@@ -35,3 +35,11 @@ def check_plan_invariants(plan, num_experts):
             assert (slots[real.size :] == -1).all(), "padding comes after the real slots"
             assert (plan.phy2log[layer, real] == expert).all()
     assert plan.gpu_load.shape == (layers, lay.num_gpus)
+
+
+def pytest_collection_modifyitems(items):
+    """Tests at DeepSeek-V3 scale take seconds each with interpreted kernels: marked ``slow``, so
+    ``make mutate`` (``-m "not slow"``) runs each mutant against the small, exact cases."""
+    for item in items:
+        if "v3_loads" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

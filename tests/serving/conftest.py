@@ -14,3 +14,11 @@ def hour_result():
     """The first simulated hour of the day at 1:200 (a reduced-scale run for most tests)."""
     scenario = build_scenario(hours=1.0, scale=200.0)
     return scenario, scenario.run()
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on the whole simulated day take a minute to set up: marked ``slow``, so ``make mutate``
+    (``-m "not slow"``, which sets fixtures up again for every mutant) leaves them out."""
+    for item in items:
+        if "day_result" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

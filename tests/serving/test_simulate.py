@@ -336,6 +336,7 @@ def test_planner_finds_fewer_units_for_less_traffic():
         plan_capacity(light, slo_ttft_p95_s=0, slo_tpot_p95_s=0.05)
 
 
+@pytest.mark.slow  # 5 ms ticks over 11 simulated minutes, three times: ~20 s
 def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
     """Units sharing a host's cores (a live CPU calibration): while the prefill unit computes a
     prompt for W seconds, a decode step takes (1 + c) times as long, so a request decoding
