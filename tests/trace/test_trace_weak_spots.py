@@ -171,3 +171,46 @@ def test_a_correlation_id_of_another_rank_does_not_link(tmp_path):
     assert got[(1, "a")] == (None, UNATTRIBUTED)
     assert got[(0, "b")] == (0, "zero(F)")
     assert got[(1, "b")] == (1, "one(B)")
+
+
+def test_phases_in_order_f_b_w_then_others_by_name_and_the_named_group_wins(tmp_path):
+    """attribute()'s docstring: the pattern's group ``phase`` names the phase (not group 1);
+    phases list F, B, W first, then any other name alphabetically."""
+    events = [
+        annotation("mb0.W", 0, 10),
+        annotation("mb0.X", 10, 10),
+        annotation("mb0.A", 20, 10),
+        annotation("mb0.B", 30, 10),
+        annotation("mb0.F", 40, 10),
+    ]
+    for corr, ts in enumerate((1, 11, 21, 31, 41), start=1):
+        events += [launch(ts, corr), kernel(f"k{corr}", 100 + 10 * corr, 5, corr=corr)]
+    trace = read_trace(write_trace(tmp_path / "t.json", events))
+    attribution = attribute(trace, r"(mb\d+)\.(?P<phase>\w)$")
+    assert attribution.phases == ["F", "B", "W", "A", "X"]
+    by_kernel = _by_kernel(trace, attribution)
+    assert [by_kernel[f"k{c}"][1] for c in range(1, 6)] == ["W", "X", "A", "B", "F"]
+
+
+def test_a_single_op_is_attributed_and_regions_add_up_by_hand(tmp_path):
+    """One compute kernel launched inside "fwd" [0, 50) and one NCCL kernel launched inside "comm"
+    [50, 100): each region holds its op; "comm"'s 20 µs of communication overlap the 10 µs GEMM for
+    5 µs, so 15 µs are exposed."""
+    from moeinfra.trace import classify
+    from moeinfra.trace.attribution import region_breakdown
+
+    one = [annotation("fwd", 0, 50), launch(5, 1), kernel("gemm", 100, 10, corr=1)]
+    trace = read_trace(write_trace(tmp_path / "one.json", one))
+    assert _by_kernel(trace, attribute(trace)) == {"gemm": ("fwd", None)}
+    events = [
+        *one,
+        annotation("comm", 50, 50),
+        launch(60, 2),
+        kernel("ncclDevKernel_AllReduce", 105, 20, corr=2),
+    ]
+    trace = read_trace(write_trace(tmp_path / "two.json", events))
+    regions = region_breakdown(trace, classify(trace.gpu), attribute(trace), slice(None))
+    assert regions == {
+        "comm": {"compute_us": 0.0, "comm_us": 20.0, "exposed_comm_us": 15.0, "ops": 1},
+        "fwd": {"compute_us": 10.0, "comm_us": 0.0, "exposed_comm_us": 0.0, "ops": 1},
+    }
