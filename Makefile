@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint docs setup clean
+.PHONY: demo test bench lint docs mutate setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,9 +27,14 @@ bench: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# Mutation testing (docs/testing.md): not part of make test or CI; ~40 min on 2 cores.
+mutate: $(STAMP)
+	test -x $(BIN)/mutmut || $(BIN)/python -m pip install --quiet -e '.[dev,mutate]'
+	$(BIN)/python tools/mutate.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples tools
+	$(BIN)/ruff format --check src tests benchmarks examples tools
 
 clean:
 	rm -rf $(VENV) report site
