@@ -2,13 +2,14 @@
 
 For each package a working copy of ``src/``, ``tests/`` and ``examples/`` is made under
 ``build/mutate/<package>/`` with a ``[tool.mutmut]`` section naming the package's core modules and
-the tests chosen for them (in-process tests: a test that runs ``moeinfra`` in a subprocess imports
-the unmutated code and can kill nothing). mutmut then runs each mutant against the tests that cover
-the mutated function. Re-running resumes: a package's mutants whose function did not change keep
-their result.
+the tests chosen for them (no CLI tests: a test that runs ``moeinfra`` in a subprocess imports the
+unmutated code and can kill nothing). mutmut then runs each mutant against the tests that cover
+the mutated function.
 
 By default 1 in 5 mutants is run (``--sample``), chosen by mutant number so the same ones are run
-each time; surviving and untested mutants are always checked again (the tests may have changed).
+each time, and every one of them is checked again on each run (mutmut re-runs mutants named on its
+command line). With ``--sample 1`` mutmut resumes: a killed mutant keeps its verdict until its
+function changes, and surviving and untested ones are checked again (the tests may have changed).
 Afterwards the summary (per module: mutants, killed, timeout, survived, no tests, equivalent,
 other) replaces the table between the ``mutate-summary`` markers in ``docs/testing.md`` (after a
 run of every package), and each surviving mutant not listed in ``tools/equivalent_mutants.toml`` is
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         for package in packages:
             work = _prepare(package, TARGETS[package])
-            _recheck_survivors(work)
+            if args.sample == 1:
+                _recheck_survivors(work)
             seconds = _run(package, work, args.max_children, args.sample)
             run = {"minutes": seconds / 60, "sample": args.sample, "date": _today()}
             _write_atomic(work / "run.json", json.dumps(run))
@@ -332,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = _counts(package, target, work, equivalent.get(package, {}), run["sample"])
         results[package] = {"rows": rows, **run, "work": work}
     print(_table(results))
-    _write_atomic(WORK / "survivors.txt", _survivors({p: results[p] for p in packages}))
+    if results:
+        ran = {p: results[p] for p in packages if p in results}
+        _write_atomic(WORK / "survivors.txt", _survivors(ran))
     if not args.no_doc and set(results) == set(TARGETS):
         _update_doc(results)
     return 0
