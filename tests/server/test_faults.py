@@ -164,3 +164,31 @@ def test_a_unit_silent_past_the_unit_timeout_is_lost_and_a_reporting_one_is_kept
     assert router.units["talking"].ready and router.units["talking"].alive
     assert not router.units["quiet"].alive
     assert any("quiet" in n and "stopped reporting" in n for n in router.notes)
+
+
+def test_an_output_of_the_attempt_a_retry_replaced_is_not_taken_for_the_retrys():
+    """A decode unit dies while a request's first token is on its way from the prefill rank: the
+    retry goes to the same prefill rank under a new id, and the old attempt's late token is
+    dropped (and stopped there), not shown as the retry's."""
+    from moeinfra.engine.core import StepOutput
+    from moeinfra.server.router import Tracked
+
+    router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0), "d1": ("decode", 0.0)})
+    sent = []
+    router._send = lambda rank, message: sent.append((rank.unit.unit_id, message))
+    tracked = Tracked("cmpl-1", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    router.submit(tracked)
+    prefill, first_decode = tracked.prefill, tracked.decode
+    assert sent[-1][:1] == ("p0",) and sent[-1][1][:2] == ("add", "cmpl-1")
+    router.unit_lost(first_decode.unit, "exited")
+    assert tracked.decode is not first_decode and tracked.prefill is prefill
+    assert ("p0", ("abort", "cmpl-1")) in sent
+    retry_id = sent[-1][1][1]
+    assert sent[-1][1][0] == "add" and retry_id != "cmpl-1"
+    assert tracked.events.get_nowait() == ("restart", "cmpl-1")
+    router._output(prefill, StepOutput("cmpl-1", [7], "x", False))  # the old attempt's token
+    assert tracked.events.empty() and sent[-1] == ("p0", ("abort", "cmpl-1"))
+    router._output(prefill, StepOutput(retry_id, [8], "y", False))
+    out = tracked.events.get_nowait()
+    assert (out.request_id, out.new_token_ids) == ("cmpl-1", [8])
+    assert tracked.generated == 1

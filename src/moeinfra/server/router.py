@@ -140,6 +140,13 @@ class UnitState:
         return records
 
 
+RETRY_MARK = "~retry"
+
+
+def _api_request_id(unit_request_id: str) -> str:
+    return unit_request_id.split(RETRY_MARK, 1)[0]
+
+
 @dataclass(eq=False)
 class Tracked:
     """A request in flight. ``events`` (may be shared by the choices of one API call) gets its
@@ -162,6 +169,14 @@ class Tracked:
     @property
     def uncached(self) -> int:
         return len(self.prompt_ids) - self.cached_estimate
+
+    @property
+    def unit_request_id(self) -> str:
+        """The id the units know this attempt by: a retry gets a new one, so an output of the
+        attempt it replaces that was already on its way is not taken for the retry's."""
+        return (
+            self.request_id if not self.retries else f"{self.request_id}{RETRY_MARK}{self.retries}"
+        )
 
 
 class Router:
@@ -308,7 +323,8 @@ class Router:
         decode.kv_tokens += n + 1
         options = {} if decode is prefill else {"handoff": decode.kv_address}
         self._send(
-            prefill, ("add", tracked.request_id, tracked.prompt_ids, tracked.params, options)
+            prefill,
+            ("add", tracked.unit_request_id, tracked.prompt_ids, tracked.params, options),
         )
 
     def _release_prefill(self, tracked: Tracked) -> None:
@@ -346,7 +362,7 @@ class Router:
 
     def _stop(self, tracked: Tracked, reason: str) -> None:
         for rank in {tracked.prefill, tracked.decode} - {None}:
-            self._send(rank, ("abort", tracked.request_id))
+            self._send(rank, ("abort", tracked.unit_request_id))
         self._release(tracked)
         if self.metrics is not None:
             self.metrics.finished(reason)
@@ -403,7 +419,7 @@ class Router:
             if self.metrics is not None:
                 self.metrics.unit_state(rank.unit)
         elif kind == "failed":
-            tracked = self.requests.get(message[1])
+            tracked = self._current(message[1])
             if tracked is not None:
                 self._fail(tracked, message[2])
         elif kind == "bye":  # a unit stopping on its own (a failing rank) loses its requests
@@ -439,12 +455,20 @@ class Router:
         if unit.ready:
             self.notes.append(f"unit {unit.unit_id} ({unit.role}) up on {unit.host}")
 
+    def _current(self, unit_request_id: str) -> Tracked | None:
+        """The request whose current attempt the units know by this id."""
+        tracked = self.requests.get(_api_request_id(unit_request_id))
+        if tracked is None or tracked.unit_request_id != unit_request_id:
+            return None
+        return tracked
+
     def _output(self, rank: RankState, out) -> None:
-        tracked = self.requests.get(out.request_id)
+        tracked = self._current(out.request_id)
         if tracked is None or rank not in (tracked.prefill, tracked.decode):
-            if not out.finished:  # output of a request we no longer track: stop it there
+            if not out.finished:  # output of a request (or attempt) we no longer track: stop it
                 self._send(rank, ("abort", out.request_id))
             return
+        out.request_id = tracked.request_id
         if rank is tracked.prefill and tracked.phase == "prefill" and out.new_token_ids:
             self._release_prefill(tracked)
         if out.new_token_ids:
@@ -486,7 +510,7 @@ class Router:
                 continue
             if not tracked.streamed and tracked.retries < 1:
                 for rank in {tracked.prefill, tracked.decode} - ranks - {None}:
-                    self._send(rank, ("abort", tracked.request_id))
+                    self._send(rank, ("abort", tracked.unit_request_id))
                 self._release(tracked)
                 tracked.retries += 1
                 tracked.generated = 0
