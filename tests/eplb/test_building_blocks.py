@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 
 from moeinfra.eplb.deepseek import replicate_experts
-from moeinfra.eplb.local_search import duplicate_slots, improve_by_swaps, reassign_duplicates
+from moeinfra.eplb.local_search import (
+    _resort,
+    duplicate_slots,
+    improve_by_swaps,
+    reassign_duplicates,
+    repair_duplicates,
+    shift_replicas,
+)
 from moeinfra.eplb.packing import (
     descending_order,
     expand_counts,
@@ -72,17 +79,49 @@ def _pack_reference(item_load, item_group, num_bins):
     return np.array(content)
 
 
-@pytest.mark.parametrize("bins,per_bin", [(4, 3), (8, 2), (32, 9), (5, 1)])
-def test_packing_follows_the_lightest_bin_rule(bins, per_bin):
+@pytest.mark.parametrize("kind", ["lognormal", "ties"])
+@pytest.mark.parametrize("bins,per_bin", [(4, 3), (8, 2), (32, 9), (5, 1), (7, 5)])
+def test_packing_follows_the_lightest_bin_rule(bins, per_bin, kind):
     rng = np.random.default_rng(bins)
     counts = replicate_spread(
         rng.lognormal(0, 2, size=(4, bins * per_bin - 3)), bins * per_bin, bins
     )
     groups = expand_counts(counts)
-    item_load = rng.lognormal(size=groups.shape)
+    # small whole numbers tie often: bins leave the heap in the middle and equal loads order by bin
+    item_load = _loads(rng, kind, groups.shape)
     got = pack_lightest_first(item_load, bins, groups)
+    ungrouped = pack_lightest_first(item_load, bins)
     for row in range(4):
         np.testing.assert_array_equal(got[row], _pack_reference(item_load[row], groups[row], bins))
+        np.testing.assert_array_equal(
+            ungrouped[row], _pack_reference(item_load[row], range(groups.shape[1]), bins)
+        )
+
+
+def test_packing_follows_the_rule_when_bins_fill_out_of_heap_order():
+    """Experts with up to one replica per bin and loads 0-3: a bin found by skipping ones that
+    hold the expert fills up away from the heap's root, and the heap's last bin takes its place
+    (about 1 case in 400 here)."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        bins, per_bin = int(rng.integers(3, 9)), int(rng.integers(2, 5))
+        experts = int(rng.integers(2, bins * per_bin))
+        counts = replicate_spread(rng.lognormal(0, 2, size=(1, experts)), bins * per_bin, bins)
+        groups = expand_counts(counts)
+        item_load = rng.integers(0, 4, size=groups.shape).astype(np.float64)
+        np.testing.assert_array_equal(
+            pack_lightest_first(item_load, bins, groups)[0],
+            _pack_reference(item_load[0], groups[0], bins),
+        )
+
+
+def test_descending_order_keeps_values_apart_above_its_index_bits():
+    # four items use the lowest 2 bits of the float for the index: values 4 ulps apart still order
+    one = 1.0
+    above = np.frombuffer(np.array([one]).view(np.int64) + 4, dtype=np.float64)[0]
+    np.testing.assert_array_equal(
+        descending_order(np.array([[one, above, 0.5, 0.25]])), [[1, 0, 2, 3]]
+    )
 
 
 def test_swaps_lower_the_heaviest_gpu_and_keep_gpus_duplicate_free():
@@ -160,3 +199,114 @@ def test_duplicate_reassignment_follows_its_rule(domain):
         moved = reassign_duplicates(got, load, num_gpus, domain)
         np.testing.assert_array_equal(got, expected)
         assert moved == int((got != phy2log).sum())
+
+
+def test_duplicate_slots_flags_the_second_copy_on_its_gpu_as_a_mask():
+    # 2 GPUs x 2 slots: expert 0 twice on GPU 0 (slots 0, 1); expert 1 on both GPUs is no duplicate
+    phy2log = np.array([[0, 0, 1, 2], [1, 2, 1, 3]])
+    flags = duplicate_slots(phy2log, 2)
+    np.testing.assert_array_equal(
+        flags, [[False, True, False, False], [False, False, False, False]]
+    )
+    np.testing.assert_array_equal(phy2log[flags], [0])  # a boolean mask selects the duplicates
+
+
+def test_repair_swaps_a_duplicate_to_the_gpu_with_the_lowest_pair_maximum():
+    # GPU 0 holds expert 0 twice (5 + 5); GPU 1 [1, 2] loads 1 + 4; GPU 2 [3, 4] loads 2 + 3.
+    # Moving the second copy (5) to GPU 1 for a slot of load x gives max(10 - (5 - x), 5 + 5 - x):
+    # 9 for either slot; to GPU 2, 8 for either: the first of those, expert 3, comes to GPU 0.
+    row = [0, 0, 1, 2, 3, 4]
+    loads = [5.0, 5.0, 1.0, 4.0, 2.0, 3.0]
+    phy2log = np.array([row, row])
+    slot_load = np.array([loads, loads])
+    assert repair_duplicates(phy2log, slot_load, num_gpus=3, gpus_per_domain=3) == 2
+    np.testing.assert_array_equal(phy2log, [[0, 3, 1, 2, 0, 4]] * 2)
+    np.testing.assert_array_equal(slot_load, [[5.0, 2.0, 1.0, 4.0, 5.0, 3.0]] * 2)
+
+
+@pytest.mark.parametrize(
+    "order,loads,gpu,expected",
+    [
+        ([0, 1, 2], [5.0, 1.0, 3.0], 1, [1, 0, 2]),  # the lightest moves to the front
+        ([2, 0], [4.0, 0.0, 1.0], 0, [2, 0]),  # a lighter GPU with a higher index stays ahead
+        ([0, 2, 1], [1.0, 1.0, 1.0], 1, [0, 1, 2]),  # equal loads: the lower index first
+        ([1, 0, 2], [2.0, 9.0, 3.0], 1, [0, 2, 1]),  # a GPU made heavier moves back
+    ],
+)
+def test_resort_puts_a_changed_gpu_in_load_then_index_order(order, loads, gpu, expected):
+    by_load = np.array([order])
+    _resort(by_load, np.array([loads]), 0, gpu)
+    np.testing.assert_array_equal(by_load[0], expected)
+
+
+def test_swaps_treat_each_layer_as_if_alone():
+    rng = np.random.default_rng(11)
+    layers, gpus, per_gpu = 5, 4, 3
+    experts = np.tile(np.arange(gpus * per_gpu), (layers, 1))
+    # layer 0 is balanced already (it stops first); the others need several swaps
+    slot_load = rng.lognormal(0, 1, size=experts.shape)
+    slot_load[0] = 1.0
+    together_experts, together_load = experts.copy(), slot_load.copy()
+    target = np.full(layers, 0.0)
+    target[0] = 100.0
+    moves = improve_by_swaps(together_experts, together_load, gpus, target=target)
+    for layer in range(layers):
+        alone_experts, alone_load = (
+            experts[layer : layer + 1].copy(),
+            slot_load[layer : layer + 1].copy(),
+        )
+        alone = improve_by_swaps(alone_experts, alone_load, gpus, target=target[layer : layer + 1])
+        np.testing.assert_array_equal(together_experts[layer], alone_experts[0])
+        assert moves[layer] == alone[0]
+    assert moves[0] == 0 and moves[1:].min() > 0
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+def test_swaps_and_shifts_do_not_depend_on_the_unit_of_load(scale):
+    rng = np.random.default_rng(12)
+    load = rng.lognormal(0, 1.5, size=(4, 12))
+    phy2log = np.tile(np.r_[np.arange(12), np.arange(4)], (4, 1))
+    counts = np.stack([np.bincount(row, minlength=12) for row in phy2log])
+    slot_load = np.take_along_axis(load / counts, phy2log, axis=1)
+    plain, scaled = phy2log.copy(), phy2log.copy()
+    moves = improve_by_swaps(plain, slot_load.copy(), 4)
+    assert moves.sum() > 0
+    np.testing.assert_array_equal(improve_by_swaps(scaled, slot_load * scale, 4), moves)
+    np.testing.assert_array_equal(scaled, plain)
+    plain, scaled = phy2log.copy(), phy2log.copy()
+    shifted = shift_replicas(plain, load, 4, min_gain=0.01)
+    assert shifted.sum() > 0
+    np.testing.assert_array_equal(shift_replicas(scaled, load * scale, 4, min_gain=0.01), shifted)
+    np.testing.assert_array_equal(scaled, plain)
+
+
+def test_shift_gives_the_heavy_expert_a_replica_on_two_gpus():
+    # GPU 0 [0, 1], GPU 1 [2, 1]; loads 8, 2, 2: per replica 8, 1, 2, GPUs 9 and 3. Expert 0 takes
+    # expert 1's slot on GPU 1: both GPUs 4 + 2 = 6. Then no reassignment lowers 6 (expert 1's
+    # second replica is gone; expert 0 would leave a GPU at 8 + 1).
+    phy2log = np.array([[0, 1, 2, 1]])
+    moves = shift_replicas(phy2log, np.array([[8.0, 2.0, 2.0]]), 2, min_gain=0.0)
+    np.testing.assert_array_equal(phy2log, [[0, 1, 2, 0]])
+    assert moves.tolist() == [1]
+
+
+def test_a_cap_that_is_never_reached_shifts_every_layer_as_without_one():
+    """Layers are independent: spending a budget that never runs out, step by step across layers,
+    ends where running each layer to the end does (the same donors considered either way)."""
+    rng = np.random.default_rng(0)
+    experts, gpus = 24, 8
+    load = rng.lognormal(0, 1.5, size=(4, experts))
+    # every expert once, then 16 redundant replicas on the lightest experts: badly spent, and
+    # more donors than the 8 a step considers
+    phy2log = np.concatenate(
+        [np.tile(np.arange(experts), (4, 1)), np.argsort(load, axis=1)[:, :16]], axis=1
+    )
+    free, capped, every_donor = phy2log.copy(), phy2log.copy(), phy2log.copy()
+    moves = shift_replicas(free, load, gpus, min_gain=0.0)
+    assert moves.min() > 0
+    shift_replicas(every_donor, load, gpus, min_gain=0.0, donors=experts)
+    assert (every_donor != free).any(), "the donor limit must matter in this case"
+    np.testing.assert_array_equal(
+        shift_replicas(capped, load, gpus, min_gain=0.0, max_total_moves=10**6), moves
+    )
+    np.testing.assert_array_equal(capped, free)

@@ -298,3 +298,83 @@ def test_migrating_a_small_hierarchical_plan_keeps_each_group_on_its_node():
                     in_group = plan_.phy2log[layer] // 3 == group
                     assert np.unique(node[in_group]).size == 1, (layer, group)
     assert moved > 0
+
+
+def _groups_stay_on_a_node(phy2log_row, experts_per_group, slots_per_node):
+    node_of_slot = np.arange(phy2log_row.size) // slots_per_node
+    group_of_slot = phy2log_row // experts_per_group
+    return all(
+        np.unique(node_of_slot[group_of_slot == g]).size == 1 for g in np.unique(group_of_slot)
+    )
+
+
+def test_auto_labels_each_layer_by_the_plan_it_chose():
+    """A small layout where costly traffic makes "auto" mix the two kinds: a layer labelled
+    hierarchical keeps each expert group on one node, a layer labelled global spreads some group."""
+    from moeinfra.eplb.synthetic import synthetic_load
+
+    load = synthetic_load("zipf", 4, 16, seed=0)
+    layout = {"num_replicas": 24, "num_groups": 4, "num_nodes": 2, "num_gpus": 8}
+    assert rebalance(load, **layout, traffic_weight=0.0).metrics["layer_policy"] == ["global"] * 4
+    plan = rebalance(load, **layout, traffic_weight=5.0)
+    kinds = plan.metrics["layer_policy"]
+    assert set(kinds) == {"global", "hierarchical"}, kinds
+    for row, kind in zip(plan.phy2log, kinds, strict=True):
+        assert _groups_stay_on_a_node(row, 4, 12) == (kind == "hierarchical"), kinds
+
+
+def test_global_packing_places_replicas_heaviest_first_on_the_lightest_gpu_without_them():
+    """Worked by hand: experts 0-3 with loads 12, 6, 4, 2 and 2, 2, 1, 1 replicas on 2 GPUs x 3
+    slots. Replica loads 6, 6, 4, 3, 3, 2 in that order: 6 (e0) -> GPU 0; 6 (e0) -> GPU 1 (GPU 0
+    holds e0); 4 (e2) -> GPU 0 (6 = 6, lower index); 3 (e1) -> GPU 1 (6 < 10); 3 (e1) -> GPU 0
+    (GPU 1 at 9 holds e1); 2 (e3) -> GPU 1, the only one open."""
+    from moeinfra.eplb.policy import _pack_global, _spare_counts
+
+    layout = check_layout(4, 6, 1, 1, 2)
+    placed = _pack_global(np.array([[12.0, 6.0, 4.0, 2.0]]), np.array([[2, 2, 1, 1]]), layout)
+    np.testing.assert_array_equal(placed, [[0, 2, 1, 0, 1, 3]])
+    # the other extreme of replica counts: 6 spare slots for 4 experts, 1 each and the two
+    # lightest (experts 1 and 3) one more
+    np.testing.assert_array_equal(
+        _spare_counts(np.array([[4.0, 1.0, 3.0, 2.0]]), 10), [[2, 3, 2, 3]]
+    )
+
+
+def test_bad_input_is_named_by_the_argument_that_carries_it():
+    from moeinfra.eplb import replica_for_tokens
+    from moeinfra.errors import InputError
+
+    with pytest.raises(InputError, match=r"^load must be a numeric"):
+        rebalance([["a", "b"]], 4, 1, 1, 2)
+    plan = rebalance(np.ones((1, 4)), 4, 1, 1, 2)
+    with pytest.raises(InputError, match=r"^expert_ids must hold integers"):
+        replica_for_tokens(plan, 0, [[0.5]], [[0]])
+
+
+def test_a_hot_experts_tokens_alternate_over_its_replicas_whatever_their_ids():
+    """docs: the k-th pair of an expert (by token id) goes to replica (k + first token id) mod
+    count. Expert 1 has 2 replicas and gets tokens 0, 2, 4, 6 (not consecutive; expert 0, the
+    lower id, also gets one): replicas 0, 1, 0, 1."""
+    from moeinfra.eplb import replica_for_tokens
+
+    layout = check_layout(3, 4, 1, 1, 2)
+    plan = make_plan(np.array([[1, 0, 2, 1]]), np.ones((1, 3)), layout, "x")
+    experts = np.array([1, 1, 1, 1, 0])
+    tokens = np.array([0, 2, 4, 6, 1])
+    slots = replica_for_tokens(plan, 0, experts, tokens)
+    np.testing.assert_array_equal(slots, [0, 3, 0, 3, 1])
+
+
+def test_a_migration_takes_no_step_that_gains_less_than_min_gain():
+    """No swap or replica shift can lower the heaviest GPU by 90%: with min_gain=0.9 the plan
+    stays as it was however the load drifted (with the default, the same drift moves slots)."""
+    from moeinfra.eplb.synthetic import synthetic_load
+
+    layout = {"num_replicas": 24, "num_groups": 4, "num_nodes": 1, "num_gpus": 8}
+    load = synthetic_load("lognormal", 3, 16, seed=1)
+    plan = rebalance(load, **layout, policy="global")
+    drifted = load[:, ::-1].copy()
+    assert rebalance(drifted, **layout, previous=plan).metrics["moves"] > 0
+    kept = rebalance(drifted, **layout, previous=plan, min_gain=0.9)
+    assert kept.metrics["moves"] == 0
+    np.testing.assert_array_equal(kept.phy2log, plan.phy2log)

@@ -105,14 +105,16 @@ def check_hot_expert_spread() -> str | None:
     return None
 
 
-def check_load_and_migration() -> str | None:
+def check_load_and_migration(group=None) -> str | None:
+    """Load counting, its all-reduce and the weight migration, on ``group``'s ranks only."""
     config = tiny()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     moe = build_moe(config, seed=4)
     with torch.no_grad():
         moe.gate.bias.copy_(torch.linspace(-0.4, 0.4, config.num_routed_experts))
-    plan0 = _plan(np.ones((1, config.num_routed_experts)), world, config.num_expert_groups)
-    ep = ExpertParallelMoE(moe, plan0, 0, Communicator())
+    ones = np.ones((1, config.num_routed_experts))
+    plan0 = rebalance(ones, config.num_routed_experts + world, config.num_expert_groups, 1, world)
+    ep = ExpertParallelMoE(moe, plan0, 0, Communicator(group))
     ep.record_load = True
     xs = [_tokens(r, 30 + 7 * r, config.hidden_size, seed=5) for r in range(world)]
     with torch.no_grad():
@@ -126,7 +128,13 @@ def check_load_and_migration() -> str | None:
         return "local load differs from the reference counts"
     if ep.load_counts.sum() != 0:
         return "take_load did not reset the counter"
-    plan1 = _plan(load.numpy()[None].astype(float), world, config.num_expert_groups)
+    plan1 = rebalance(
+        load.numpy()[None].astype(float),
+        config.num_routed_experts + world,
+        config.num_expert_groups,
+        1,
+        world,
+    )
     moves = migration(plan0, plan1).transfers
     received = ep.apply_plan(plan1)
     expected_received = int((moves[:, 3] == rank).sum())
@@ -136,9 +144,18 @@ def check_load_and_migration() -> str | None:
         return "local experts do not follow the new plan"
     with torch.no_grad():
         err = max(_err(out, moe(xs[rank])), _err(ep(xs[rank]), moe(xs[rank])))
-    if world > 1 and dist.get_rank() == 0 and len(moves) == 0:
+    if world > 1 and rank == 0 and len(moves) == 0:
         return "test plan change moved nothing"
     return None if err <= TOL else f"error after migration {err:.3g}"
+
+
+def check_in_subgroups() -> str | None:
+    """The same on process groups other than the default one: halves of 4 ranks (each sums only
+    its own half's load and migrates inside it), both ranks of 2 in a new group."""
+    world = dist.get_world_size()
+    size = world // 2 if world >= 4 else world
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+    return check_load_and_migration(groups[dist.get_rank() // size])
 
 
 def check_overlap_modes() -> str | None:
@@ -198,6 +215,7 @@ CHECKS = {
     "all_ranks_empty": lambda: check_equal_reference(0, [0]),
     "one_expert": check_one_expert,
     "load_and_migration": check_load_and_migration,
+    "subgroups": check_in_subgroups,
     "hot_expert_spread": check_hot_expert_spread,
     "overlap_modes": check_overlap_modes,
     "bad_plan": check_bad_plan,

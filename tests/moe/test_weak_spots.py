@@ -114,3 +114,105 @@ def test_experts_too_narrow_for_grouped_gemm_run_one_by_one_with_the_same_result
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.allclose(ep(x), moe(x), atol=1e-5)
+
+
+def test_a_layer_from_the_ranks_own_experts_equals_the_reference_and_copies_repeated_slots():
+    """ExpertParallelMoE.from_experts (what a checkpoint loader builds, rank_experts saying which
+    experts to read) gives the reference's output; a slot repeating an expert gets its own copy.
+    Also: the rank's layer keeps its own shared expert, and load counts are int64."""
+    import numpy as np
+
+    from moeinfra.eplb.inputs import check_layout
+    from moeinfra.eplb.plan import make_plan
+    from moeinfra.moe.config import tiny
+    from moeinfra.moe.expert_parallel import ExpertParallelMoE, rank_experts
+    from moeinfra.moe.layers import build_moe
+    from moeinfra.moe.runtime import ExpertParallelDecoder
+
+    config = tiny()
+    moe = build_moe(config, seed=3)
+    # 2 GPUs x 10 slots; rank 1's slots hold experts 8-15 and repeat 9 and 12
+    layout = check_layout(16, 20, 4, 1, 2)
+    row = [*range(8), 0, 1, *range(8, 16), 9, 12]
+    plan = make_plan(np.array([row]), np.ones((1, 16)), layout, "hand")
+    assert rank_experts(plan, 0, 1) == list(range(8, 16))
+    assert rank_experts(plan, 0, 0) == list(range(8))
+    everything = make_plan(
+        np.array([[*range(16), 9, 9, 12, 0]]),
+        np.ones((1, 16)),
+        check_layout(16, 20, 4, 1, 1),
+        "hand",
+    )
+    parts = {e: moe.experts[e] for e in rank_experts(everything, 0, 0)}
+    ep = ExpertParallelMoE.from_experts(config, moe.gate, moe.shared, parts, everything)
+    assert len({id(m) for m in ep.experts}) == 20  # 9 twice more and 12 once more: copies
+    assert ep.experts[0] is moe.experts[0]  # a first slot uses the loader's module as it is
+    x = torch.randn(12, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)
+    with pytest.raises(Exception, match=r"must hold this rank's experts \[3\]"):
+        ExpertParallelMoE.from_experts(
+            config, moe.gate, moe.shared, {e: m for e, m in parts.items() if e != 3}, everything
+        )
+    copied = ExpertParallelMoE(moe, everything)
+    assert all(
+        p is not q for p, q in zip(copied.shared.parameters(), moe.shared.parameters(), strict=True)
+    )
+    copied.record_load = True
+    with torch.no_grad():
+        copied(x)
+    assert copied.take_load().dtype == torch.int64
+    decoder = ExpertParallelDecoder.from_layers(
+        torch.nn.ModuleList([torch.nn.Identity()]), torch.nn.ModuleList([ep]), ep.comm
+    )
+    assert decoder.comm is ep.comm and decoder.moe[0] is ep
+
+
+def test_a_layer_without_shared_experts_adds_nothing_for_them():
+    import numpy as np
+
+    from moeinfra.eplb import rebalance
+    from moeinfra.moe.config import tiny
+    from moeinfra.moe.expert_parallel import ExpertParallelMoE
+    from moeinfra.moe.layers import build_moe
+
+    config = tiny().replace(num_shared_experts=0)
+    moe = build_moe(config, seed=4)
+    assert moe.shared is None
+    ep = ExpertParallelMoE(moe, rebalance(np.ones((1, 16)), 20, 4, 1, 1))
+    x = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(ep.shared_output(x), torch.zeros_like(x))
+        assert torch.allclose(ep(x), moe(x), atol=1e-5)
+
+
+def test_routing_by_hand_two_groups_one_expert_groups_and_bf16_softmax():
+    from moeinfra.moe.gate import route
+
+    # 2 groups of 2 (biased scores group 0: 0.9, 0.1; group 1: 0.6, 0.5): group 1's two best sum
+    # to 1.1 > 1.0, so with one group per token both picks come from group 1, not expert 0
+    scores = torch.tensor([[0.9, 0.1, 0.6, 0.5]])
+    logits = torch.log(scores / (1 - scores))  # sigmoid(logits) = scores
+    weights, indices = route(
+        logits, torch.zeros(4), top_k=2, num_groups=2, groups_per_token=1, scaling_factor=1.0
+    )
+    assert indices.tolist() == [[2, 3]]
+    assert torch.allclose(weights, torch.tensor([[0.6 / 1.1, 0.5 / 1.1]]))
+    # one expert per group: a group's score is its expert's biased score; the best two groups win
+    weights, indices = route(
+        logits,
+        torch.tensor([0.0, 0.0, 0.0, 0.2]),
+        top_k=2,
+        num_groups=4,
+        groups_per_token=2,
+        scaling_factor=2.0,
+    )
+    assert sorted(indices[0].tolist()) == [0, 3]
+    # softmax scores are computed in float32 even for bf16 logits (as the reference gates do)
+    bf16 = torch.tensor([[3.0, 2.5, -1.0, 0.75, 0.5, 0.125, 0.0, 1.5]], dtype=torch.bfloat16)
+    weights, indices = route(
+        bf16, None, top_k=3, num_groups=1, groups_per_token=1, scaling_factor=1.0, scoring="softmax"
+    )
+    expected = bf16.float().softmax(dim=-1).to(torch.bfloat16)
+    assert indices.tolist() == [[0, 1, 7]]
+    assert torch.equal(weights, expected[:, [0, 1, 7]])

@@ -214,3 +214,63 @@ def test_a_single_op_is_attributed_and_regions_add_up_by_hand(tmp_path):
         "comm": {"compute_us": 0.0, "comm_us": 20.0, "exposed_comm_us": 15.0, "ops": 1},
         "fwd": {"compute_us": 10.0, "comm_us": 0.0, "exposed_comm_us": 0.0, "ops": 1},
     }
+
+
+def test_an_op_outside_every_annotation_has_no_region_index(tmp_path):
+    """Attribution's docstring: -1 means none found (region and phase)."""
+    events = [annotation("fwd(F)", 0, 10), launch(5, 1), launch(20, 2)]
+    events += [kernel("inside", 30, 5, corr=1), kernel("outside", 40, 5, corr=2)]
+    trace = read_trace(write_trace(tmp_path / "t.json", events))
+    attribution = attribute(trace)
+    by_name = dict(zip(trace.gpu.op_names().tolist(), range(2), strict=True))
+    assert attribution.region[by_name["outside"]] == -1
+    assert attribution.phase[by_name["outside"]] == -1
+    assert attribution.region[by_name["inside"]] == 0
+    names = attribution.region_names(trace)
+    assert names.dtype == object and names[by_name["outside"]] == UNATTRIBUTED
+
+
+def test_each_ranks_decomposition_names_its_rank_and_device(tmp_path):
+    from moeinfra.trace import classify
+    from moeinfra.trace.overlap import decompose
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for rank in (0, 1):
+        events = [kernel("gemm", 10, 5 * (rank + 1), device=rank + 2)]
+        write_trace(folder / f"r{rank}.json", events, distributedInfo={"rank": rank})
+    trace = read_trace(folder)
+    parts = decompose(trace, classify(trace.gpu))
+    assert [(d.rank, d.device, d.compute_ns) for d in parts] == [(0, 2, 5000), (1, 3, 10000)]
+
+
+def test_sm_use_counts_only_kernels_with_a_known_grid(tmp_path):
+    """100 SMs; over [0, 40) µs: a 10 µs kernel on 50 blocks, a 30 µs kernel with no grid and a
+    10 µs one with a zero grid (unknown, not counted): compute sm_share = 10 * 50 / (100 * 40).
+    A zero-length NCCL kernel on 8 blocks: no share of time, its mean SMs its own 8."""
+    events = [
+        kernel("gemm_a", 0, 10, grid=[50, 1, 1]),
+        kernel("gemm_b", 10, 30),
+        kernel("gemm_c", 20, 10, grid=[0, 1, 1]),
+        kernel("ncclDevKernel_AllReduce", 5, 0, stream=8, grid=[8, 1, 1]),
+    ]
+    props = [{"id": 0, "name": "Test GPU", "numSms": 100}]
+    result = analyze(write_trace(tmp_path / "t.json", events, deviceProperties=props))
+    sm = result.to_dict()["devices"][0]["sm_share"]["compute"]
+    assert sm["sm_share"] == 10 * 50 / (100 * 40)
+    assert sm["mean_sms"] == 50 and sm["max_sms"] == 50
+    comm = result.to_dict()["devices"][0]["sm_share"]["communication"]
+    assert comm == {"sm_share": 0.0, "mean_sms": 8.0, "max_sms": 8}
+
+
+def test_no_intervals_cover_nothing_in_whole_nanoseconds():
+    from moeinfra.trace import intervals
+
+    empty = intervals.union([], [])
+    got = intervals.covered_before(empty, [0, 5])
+    assert (
+        got.tolist() == [0, 0]
+        and got.dtype
+        == intervals.covered_before(intervals.union([0], [3]), [0, 5]).dtype
+        == "int64"
+    )
