@@ -50,8 +50,9 @@ class Target:
 
     modules: tuple[str, ...]
     tests: tuple[str, ...]
-    #: tests that run some modules in spawned processes, by module: mutmut maps a function only to
-    #: the tests that call it in their own process, so these are added to every function of it
+    #: tests that run some code in spawned processes, by name prefix under the package (a module
+    #: with its dot, or a function): mutmut maps a function only to the tests that call it in their
+    #: own process, so these are added to every function the prefix names
     spawned: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -88,10 +89,15 @@ TARGETS = {
     "moe": Target(
         ("gate", "expert_parallel", "runtime"),
         ("test_model", "test_schedules", "test_weak_spots", "test_comm", "test_distributed"),
-        # two ranks run every check (migration, hot-expert spread, splits) in ~5 s
-        spawned=tuple(
-            (module, ("tests/moe/test_distributed.py::test_all_checks[2]",))
-            for module in ("expert_parallel", "runtime")
+        # two ranks run every check (migration, hot-expert spread, splits) in ~5 s; the load's
+        # all-reduce on a process group of part of the world needs four
+        spawned=(
+            ("expert_parallel.", ("tests/moe/test_distributed.py::test_all_checks[2]",)),
+            ("runtime.", ("tests/moe/test_distributed.py::test_all_checks[2]",)),
+            (
+                "expert_parallel.xǁExpertParallelMoEǁtake_load",
+                ("tests/moe/test_distributed.py::test_all_checks[4]",),
+            ),
         ),
     ),
     "serving": Target(
@@ -195,9 +201,9 @@ def _map_spawned_tests(package: str, target: Target, work: Path, cmd: list[str],
             raise SystemExit(f"{package}: mutmut did not collect its stats in {work}/mutants")
     data = json.loads(stats.read_text())
     tests = data["tests_by_mangled_function_name"]
-    for module, spawned in target.spawned:
+    for prefix, spawned in target.spawned:
         for name in data["function_hashes"]:
-            if name.startswith(f"moeinfra.{package}.{module}."):
+            if name.startswith(f"moeinfra.{package}.{prefix}"):
                 tests[name] = sorted(set(tests.get(name, [])) | set(spawned))
     _write_atomic(stats, json.dumps(data))
 

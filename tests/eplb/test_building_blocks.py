@@ -99,16 +99,16 @@ def test_packing_follows_the_lightest_bin_rule(bins, per_bin, kind):
 
 
 def test_packing_follows_the_rule_when_bins_fill_out_of_heap_order():
-    """Experts with up to one replica per bin and loads 0-3: a bin found by skipping ones that
+    """Experts with up to one replica per bin and loads 0-2: a bin found by skipping ones that
     hold the expert fills up away from the heap's root, and the heap's last bin takes its place
-    (about 1 case in 400 here)."""
+    (about 1 case in 400 here; in one of these 2000 it ties with its new parent's load)."""
     rng = np.random.default_rng(0)
-    for _ in range(3000):
+    for _ in range(2000):
         bins, per_bin = int(rng.integers(3, 9)), int(rng.integers(2, 5))
         experts = int(rng.integers(2, bins * per_bin))
         counts = replicate_spread(rng.lognormal(0, 2, size=(1, experts)), bins * per_bin, bins)
         groups = expand_counts(counts)
-        item_load = rng.integers(0, 4, size=groups.shape).astype(np.float64)
+        item_load = rng.integers(0, 3, size=groups.shape).astype(np.float64)
         np.testing.assert_array_equal(
             pack_lightest_first(item_load, bins, groups)[0],
             _pack_reference(item_load[0], groups[0], bins),
@@ -310,3 +310,152 @@ def test_a_cap_that_is_never_reached_shifts_every_layer_as_without_one():
         shift_replicas(capped, load, gpus, min_gain=0.0, max_total_moves=10**6), moves
     )
     np.testing.assert_array_equal(capped, free)
+
+
+def _pack_hierarchical_reference(load, ds_phy2log, layout):
+    """Each expert stays on the node DeepSeek's plan gives it; per node, its experts in ascending
+    id, their replica counts from replicate_spread, packed by the lightest-bin rule."""
+    per_node = layout.num_replicas // layout.num_nodes
+    out = np.empty((load.shape[0], layout.num_replicas), dtype=np.int64)
+    for layer in range(load.shape[0]):
+        node_of = {int(e): s // per_node for s, e in enumerate(ds_phy2log[layer])}
+        for node in range(layout.num_nodes):
+            experts = np.array(sorted(e for e, n in node_of.items() if n == node))
+            counts = replicate_spread(load[layer, experts][None], per_node, layout.gpus_per_node)
+            local = expand_counts(counts)[0]
+            item_load = (load[layer, experts] / counts[0])[local]
+            bins = _pack_reference(item_load, local, layout.gpus_per_node)
+            out[layer, node * per_node : (node + 1) * per_node] = experts[local[bins.ravel()]]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "ties"])
+def test_hierarchical_packing_follows_the_per_node_rule(kind):
+    from moeinfra.eplb.deepseek import rebalance_hierarchical
+    from moeinfra.eplb.inputs import check_layout
+    from moeinfra.eplb.policy import _pack_hierarchical
+
+    rng = np.random.default_rng(21)
+    for experts, replicas, groups, nodes, gpus in ((16, 24, 4, 2, 8), (32, 48, 8, 4, 16)):
+        layout = check_layout(experts, replicas, groups, nodes, gpus)
+        load = _loads(rng, kind, (3, experts)) + (kind == "ties")
+        ds_phy2log = rebalance_hierarchical(load, replicas, groups, nodes, gpus)[0]
+        np.testing.assert_array_equal(
+            _pack_hierarchical(load, ds_phy2log, layout),
+            _pack_hierarchical_reference(load, ds_phy2log, layout),
+        )
+
+
+def _swaps_reference(phy2log, slot_load, num_gpus, min_gain=1e-9):
+    """improve_by_swaps' rule, searched in full: while some swap between the heaviest GPU (ties:
+    the higher index) and another lowers their pair maximum below the heavy load (by min_gain)
+    and puts no expert twice on a GPU, take the lowest such maximum; the first found wins a tie,
+    searching partners lightest first (ties: lower index), then own and other slots in order."""
+    per = phy2log.shape[1] // num_gpus
+    for experts, loads in zip(phy2log, slot_load, strict=True):
+        while True:
+            gpu_load = loads.reshape(num_gpus, per).sum(axis=1)
+            order = sorted(range(num_gpus), key=lambda g: (gpu_load[g], g))
+            heavy = order[-1]
+            held = experts[heavy * per : (heavy + 1) * per]
+            best, best_max = None, gpu_load[heavy] * (1.0 - min_gain)
+            for gpu in order[:-1]:
+                theirs = experts[gpu * per : (gpu + 1) * per]
+                for own in range(heavy * per, (heavy + 1) * per):
+                    for other in range(gpu * per, (gpu + 1) * per):
+                        delta = loads[own] - loads[other]
+                        pair_max = max(gpu_load[heavy] - delta, gpu_load[gpu] + delta)
+                        if delta <= 0 or pair_max >= best_max:
+                            continue
+                        if experts[own] in theirs or experts[other] in held:
+                            continue
+                        best, best_max = (own, other), pair_max
+            if best is None:
+                break
+            own, other = best
+            experts[[own, other]] = experts[[other, own]]
+            loads[[own, other]] = loads[[other, own]]
+
+
+def test_swaps_follow_the_rule_with_tied_gpu_loads():
+    """Whole-number loads on 16 and 20 GPUs: many GPUs tie, so which partner comes first decides
+    the swap (ties by index, as the rule says)."""
+    rng = np.random.default_rng(22)
+    for gpus in (16, 20):
+        replicas = 3 * gpus
+        experts = np.tile(np.arange(replicas) % (replicas - 8), (4, 1))
+        slot_load = rng.integers(0, 5, size=experts.shape).astype(np.float64)
+        want_experts, want_load = experts.copy(), slot_load.copy()
+        _swaps_reference(want_experts, want_load, gpus)
+        improve_by_swaps(experts, slot_load, gpus)
+        np.testing.assert_array_equal(experts, want_experts)
+        np.testing.assert_array_equal(slot_load, want_load)
+
+
+def test_a_capped_swap_budget_goes_to_equal_gains_in_layer_order():
+    """20 one-swap layers on 2 GPUs x 2 slots: kind A [4, 3 | 0, 1] gains 3/7 (4 <-> 1: both
+    GPUs at 4), kind B [4, 2 | 0, 1] gains 1/3 (6 -> 4). A budget of 5 swaps goes to the five
+    A layers of lowest index; the pattern of kinds is one where an unstable sort reorders ties."""
+    kind_a = [0, 1, 2, *range(9, 20)]
+    slot_load = np.array(
+        [[4.0, 3.0, 0.0, 1.0] if layer in kind_a else [4.0, 2.0, 0.0, 1.0] for layer in range(20)]
+    )
+    experts = np.tile(np.arange(4), (20, 1))
+    moves = improve_by_swaps(experts, slot_load, 2, max_total_moves=10)
+    assert np.flatnonzero(moves).tolist() == [0, 1, 2, 9, 10]
+    assert (moves[[0, 1, 2, 9, 10]] == 2).all()
+
+
+def _shift_reference(row, load, num_gpus, min_gain, donors=8):
+    """shift_replicas' rule on one layer, by recounting: each step, for every expert on the
+    heaviest GPU (the first one at the maximum), ascending, and every donor of the ``donors``
+    whose load per replica stays lowest after losing one (ties: the lower expert), every slot of
+    the donor on a GPU without the receiver becomes the receiver's; the lowest resulting heaviest
+    GPU wins (the first found on a tie) if below the current one by more than min_gain."""
+    num_experts, per = load.size, row.size // num_gpus
+    gpu_of = np.arange(row.size) // per
+
+    def gpu_loads(experts):
+        counts = np.bincount(experts, minlength=num_experts)
+        return np.bincount(gpu_of, weights=(load / counts)[experts], minlength=num_gpus)
+
+    moves = 0
+    while True:
+        counts = np.bincount(row, minlength=num_experts)
+        after = np.where(counts >= 2, load / np.maximum(counts - 1, 1), np.inf)
+        current = gpu_loads(row)
+        heavy = int(np.argmax(current))
+        donor_list = sorted(range(num_experts), key=lambda e: (after[e], e))[:donors]
+        best, best_value = None, current[heavy] * (1.0 - min_gain)
+        for receiver in sorted(set(row[gpu_of == heavy].tolist())):
+            holders = set(gpu_of[row == receiver].tolist())
+            for donor in donor_list:
+                if donor == receiver or not np.isfinite(after[donor]):
+                    continue
+                for slot in np.flatnonzero(row == donor):
+                    if gpu_of[slot] in holders:
+                        continue
+                    trial = row.copy()
+                    trial[slot] = receiver
+                    value = gpu_loads(trial).max()
+                    if value < best_value:
+                        best, best_value = (slot, receiver), value
+        if best is None:
+            return moves
+        row[best[0]] = best[1]
+        moves += 1
+
+
+def test_replica_shifts_follow_the_rule_with_tied_donors():
+    """Loads in multiples of 12 (every load per replica a whole number, so sums are exact) from
+    three values: many donors tie, and the 8 considered are the lowest (ties: lower expert)."""
+    rng = np.random.default_rng(23)
+    for _ in range(6):
+        load = rng.integers(1, 4, size=(1, 32)).astype(np.float64) * 12
+        row = np.concatenate([np.arange(32), rng.choice(32, size=16, replace=False)])
+        rng.shuffle(row)
+        want = row.copy()
+        moves = _shift_reference(want, load[0], 8, min_gain=0.0)
+        got = row[None].copy()
+        assert shift_replicas(got, load, 8, min_gain=0.0).tolist() == [moves]
+        np.testing.assert_array_equal(got[0], want)

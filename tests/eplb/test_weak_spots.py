@@ -378,3 +378,16 @@ def test_a_migration_takes_no_step_that_gains_less_than_min_gain():
     kept = rebalance(drifted, **layout, previous=plan, min_gain=0.9)
     assert kept.metrics["moves"] == 0
     np.testing.assert_array_equal(kept.phy2log, plan.phy2log)
+
+
+def test_auto_counts_eight_routed_experts_per_token_by_default():
+    """DeepSeek-V3 routes each token to 8 experts: the default of auto's traffic model. A load
+    where 8 or 9 experts per token tip the choice (16 experts in 8 groups, 2 nodes x 2 GPUs)."""
+    load = np.array([[1, 1, 4, 3, 0, 1, 0, 4, 2, 1, 3, 4, 0, 2, 1, 3]], dtype=float)
+    kinds = {
+        k: rebalance(
+            load, 16, 8, 2, 4, traffic_weight=5.0, **({} if k is None else {"experts_per_token": k})
+        ).metrics["layer_policy"]
+        for k in (None, 8, 9)
+    }
+    assert kinds[None] == kinds[8] != kinds[9]

@@ -150,12 +150,39 @@ def check_load_and_migration(group=None) -> str | None:
 
 
 def check_in_subgroups() -> str | None:
-    """The same on process groups other than the default one: halves of 4 ranks (each sums only
-    its own half's load and migrates inside it), both ranks of 2 in a new group."""
+    """The same on process groups other than the default one: every rank alone (its load is its
+    own), and halves of 4 ranks or both ranks of 2 in a new group (each sums and migrates inside
+    its group)."""
     world = dist.get_world_size()
-    size = world // 2 if world >= 4 else world
-    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
-    return check_load_and_migration(groups[dist.get_rank() // size])
+    rank = dist.get_rank()
+    for size in (1, world // 2 if world >= 4 else world):
+        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+        failure = check_load_and_migration(groups[rank // size])
+        if failure:
+            return f"groups of {size}: {failure}"
+    return None
+
+
+def check_one_slot_per_rank() -> str | None:
+    """As many experts as ranks, one slot each; the new plan moves every expert one rank on."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return None
+    config = tiny().replace(
+        num_routed_experts=world, num_expert_groups=1, groups_per_token=1, experts_per_token=1
+    )
+    moe = build_moe(config, seed=8)
+    layout = check_layout(world, world, 1, 1, world)
+    ones = np.ones((1, world))
+    plan0 = make_plan(np.arange(world)[None], ones, layout, "hand")
+    plan1 = make_plan(np.roll(np.arange(world), 1)[None], ones, layout, "hand")
+    ep = ExpertParallelMoE(moe, plan0, 0, Communicator())
+    if ep.apply_plan(plan1) != 1 or ep.local_experts() != [(rank - 1) % world]:
+        return f"rank {rank} holds {ep.local_experts()} after the move"
+    x = _tokens(rank, 20, config.hidden_size, seed=9)
+    with torch.no_grad():
+        err = _err(ep(x), moe(x))
+    return None if err <= TOL else f"error after the move {err:.3g}"
 
 
 def check_overlap_modes() -> str | None:
@@ -182,6 +209,8 @@ def check_overlap_modes() -> str | None:
         names = " ".join(e[0] for e in recorder.events)
         if mode != "none" and ("mb1" not in names or "COMBINE" not in names):
             return f"{mode}: timeline misses micro-batch 1 or combine events"
+        if n and "OUT(mb0).sum" not in names:  # the last layer's combined rows summed, on its own
+            return f"{mode}: timeline misses the combine's sum"
         if mode == "prefill":  # DISPATCH(mb1) is issued before ATTN(mb0) and waited after it
             start = {e[0]: e[2] for e in recorder.events}
             end = {e[0]: e[3] for e in recorder.events}
@@ -216,6 +245,7 @@ CHECKS = {
     "one_expert": check_one_expert,
     "load_and_migration": check_load_and_migration,
     "subgroups": check_in_subgroups,
+    "one_slot_per_rank": check_one_slot_per_rank,
     "hot_expert_spread": check_hot_expert_spread,
     "overlap_modes": check_overlap_modes,
     "bad_plan": check_bad_plan,

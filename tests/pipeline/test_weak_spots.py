@@ -315,12 +315,28 @@ def test_costs_parse_every_spelling_the_docstring_names():
     )
     assert Costs.parse("FB=4,latency=0.5").fb == 4.0
     assert Costs(F=1, B=2, W=1, latency=0).latency == 0  # zero latency is allowed
+    assert Costs(F=1, B=2, W=1, FB=0, I=0).fb == 0  # so are zero pair and input-gradient costs
 
 
-@pytest.mark.parametrize("generator", [gpipe, one_f_one_b, dualpipe, dualpipev])
-def test_a_bad_rank_count_names_num_ranks(generator):
+@pytest.mark.parametrize(
+    "generator,name",
+    [(gpipe, "gpipe"), (one_f_one_b, "1f1b"), (dualpipe, "dualpipe"), (dualpipev, "dualpipev"),
+     (zb1p, "zb1p")],
+)  # fmt: skip
+def test_a_bad_rank_count_names_num_ranks(generator, name):
     with pytest.raises(InputError, match=r"^num_ranks=0 must be a positive integer"):
         generator(0, 4)
+    assert generator(2, 4).name == name
+
+
+def test_a_pair_whose_backward_needs_its_own_forward_deadlocks():
+    """validate() rejects such a pair; simulate() on it names the pair instead of timing it."""
+    from moeinfra.pipeline.actions import Action
+    from moeinfra.pipeline.simulate import DeadlockError
+
+    schedule = Schedule("hand", 1, (0,), ((0,),), (0,), ((Action("FB", 0, 0, 0, 0),),))
+    with pytest.raises(DeadlockError, match=r"rank 0 at action 0 \(F0\.0&B0\.0\)"):
+        simulate(schedule)
 
 
 def test_a_simulation_reports_its_schedule_costs_and_ranks_by_name():
@@ -346,6 +362,9 @@ def test_a_simulation_reports_its_schedule_costs_and_ranks_by_name():
         "starts", "ends",
     }  # fmt: skip
     assert [(r["busy"], r["idle"], r["peak_activations"]) for r in ranks] == [(6, 3, 2), (6, 3, 1)]
+    assert [r.finish for r in result.per_rank] == [9.0, 7.0]
+    # a schedule with no ranks takes no time
+    assert simulate(Schedule("none", 0, (), (), (), ())).makespan == 0.0
     assert doc["peak_activations"] == 2
     assert ranks[0]["actions"] == ["F0.0", "F0.1", "B0.0", "B0.1"]
     assert (ranks[0]["starts"], ranks[0]["ends"]) == ([0, 1, 4, 7], [1, 2, 6, 9])

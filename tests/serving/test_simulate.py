@@ -34,6 +34,20 @@ def small_workload(rate=20.0, hours=0.1, seed=0):
     return generate(requests_per_s_at_peak=rate, demand=(1.0,), hours=hours, seed=seed)
 
 
+def test_a_constant_fleet_summary_by_hand():
+    # 2 prefill units of 4 nodes and 3 decode units of 18 for an hour: 8 + 54 = 62 nodes
+    summary = constant_schedule(2, 3, 3600.0).summary()
+    assert summary == {
+        "peak_nodes": 62,
+        "avg_nodes": 62.0,
+        "avg_prefill_nodes": 8.0,
+        "avg_decode_nodes": 54.0,
+        "node_hours": 62.0,
+    }
+    day = deepseek_day_schedule()
+    assert day.prefill_units.dtype.kind == day.decode_units.dtype.kind == "i"  # whole units
+
+
 def test_deepseek_schedule_integrates_to_published_node_hours():
     s = deepseek_day_schedule()
     summary = s.summary()
@@ -137,6 +151,20 @@ def test_overload_rejects_with_reasons_and_never_loses_requests():
     assert req["arrived"] == req["completed"] + req["running"] + req["rejected"]
     assert set(np.unique(result.reason[result.status == REJECTED])) <= {0, 1}
     assert np.all(result.reason[result.status != REJECTED] == -1)
+    # what `serve simulate --json` prints: the counts, the rejections by reason adding up to them,
+    # latency percentiles of the raw per-request figures, and the model in force
+    doc = result.to_dict(hourly=False)
+    assert doc["requests"] == req
+    assert list(doc["rejected_by_reason"]) == [
+        "prefill queue over max wait",
+        "decode KV cache full past max wait",
+    ]
+    assert sum(doc["rejected_by_reason"].values()) == pytest.approx(req["rejected"])
+    ttft = result.ttft_s[np.isfinite(result.ttft_s)]
+    assert doc["ttft_s"] == pytest.approx(
+        {f"p{q}": np.percentile(ttft, q) for q in (50, 90, 95, 99)} | {"mean": ttft.mean()}
+    )
+    assert doc["model"] == result.model and "hourly" not in doc
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

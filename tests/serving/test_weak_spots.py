@@ -186,3 +186,41 @@ def test_a_request_finishing_mid_tick_is_in_the_batch_only_while_it_runs():
     assert requests[1] == pytest.approx(1 + left * step0, rel=1e-9)
     assert res.finish_s[0] == pytest.approx(1 + left * step1, rel=1e-9)
     assert requests[2] == pytest.approx(1.0, rel=1e-12)  # A is gone
+
+
+def test_layer_rows_are_each_layers_parts_and_totals_in_milliseconds():
+    from moeinfra.serving.perfmodel import LayerBreakdown
+
+    breakdown = LayerBreakdown(
+        phase="decode",
+        parts={"attention": np.array([0.001, 0.002]), "dispatch": np.array([0.0005, 0.0])},
+        compute=np.array([0.003, 0.004]),
+        comm=np.array([0.0005, 0.0]),
+        layer=np.array([0.003, 0.004]),
+        head_s=0.0,
+        overhead_s=0.0,
+        step_s=0.007,
+        tokens_per_gpu=1.0,
+    )
+    expected = [
+        {
+            "layer": 0,
+            "attention": 1.0,
+            "dispatch": 0.5,
+            "compute_ms": 3.0,
+            "comm_ms": 0.5,
+            "layer_ms": 3.0,
+        },
+        {
+            "layer": 1,
+            "attention": 2.0,
+            "dispatch": 0.0,
+            "compute_ms": 4.0,
+            "comm_ms": 0.0,
+            "layer_ms": 4.0,
+        },
+    ]
+    rows = breakdown.rows()
+    assert [r["layer"] for r in rows] == [0, 1]
+    for row, want in zip(rows, expected, strict=True):
+        assert row == pytest.approx(want)

@@ -274,3 +274,22 @@ def test_no_intervals_cover_nothing_in_whole_nanoseconds():
         == intervals.covered_before(intervals.union([0], [3]), [0, 5]).dtype
         == "int64"
     )
+
+
+def test_a_kernel_links_to_the_first_runtime_call_of_its_correlation_id(tmp_path):
+    """The runtime call and the driver call inside it share the kernel's correlation id (as
+    cudaLaunchKernel and cuLaunchKernel do): the link goes to the first (outer) call, for each of
+    20 kernels."""
+    # ids out of time order, as an unstable sort of the (rank, id) keys would reorder the pairs
+    ids = [5, 20, 7, 3, 14, 17, 4, 12, 11, 9, 1, 13, 8, 6, 19, 18, 15, 10, 2, 16]
+    events = []
+    for k, corr in enumerate(ids):
+        events.append(launch(10.0 * k, corr, dur=3))
+        events.append(launch(10.0 * k + 1, corr, dur=1, name="cuLaunchKernel"))
+        events.append(kernel(f"k{corr}", 500 + 10 * k, 5, corr=corr))
+    trace = read_trace(write_trace(tmp_path / "t.json", events))
+    links = attribute(trace).launch
+    cpu = trace.cpu
+    started = {corr: 10_000 * k for k, corr in enumerate(ids)}
+    assert cpu.start_ns[links].tolist() == [started[c] for c in trace.gpu.correlation.tolist()]
+    assert {cpu.names[i] for i in cpu.name_id[links]} == {"cudaLaunchKernel"}

@@ -283,7 +283,8 @@ def improve_by_swaps(
         target: ``[L]`` a layer stops once its heaviest GPU is at or below this (e.g. a lower bound).
         max_steps: cap on iterations. min_gain: see above.
         max_total_moves: cap on changed slots over all layers; the swaps with the largest
-            relative gains go first, and a layer whose best swap would pass the cap stops.
+            relative gains go first (ties: the lower layer), and a layer whose best swap would
+            pass the cap stops.
             ``None`` = no cap. A swap costs two slots, or with ``reference`` (``[L, R]``, e.g. the
             plan being migrated from) what it changes in the count of slots that differ from it
             (a swap touching an already changed slot costs less).

@@ -212,9 +212,6 @@ def dependencies(schedule: Schedule, action: Action) -> list[tuple[str, int, int
                 deps.append(_key("B", nxt, m))
         else:  # W
             deps.append(_key("B", s, m))
-    if action.kind == "FB":
-        # A pair never waits for itself (validate() rejects a pair whose B is its own F).
-        deps = [d for d in deps if d != _key("F", action.stage, action.mb)]
     return deps
 
 
