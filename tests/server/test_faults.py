@@ -192,3 +192,23 @@ def test_an_output_of_the_attempt_a_retry_replaced_is_not_taken_for_the_retrys()
     out = tracked.events.get_nowait()
     assert (out.request_id, out.new_token_ids) == ("cmpl-1", [8])
     assert tracked.generated == 1
+
+
+def test_decode_tokens_that_overtake_the_first_token_wait_for_it():
+    """The decode rank's tokens travel on another connection than the prefill rank's first token
+    and can arrive before it (seen under load: an answer starting with its second and third
+    tokens). The router holds them until the first token arrives, then passes them on in order."""
+    from moeinfra.engine.core import StepOutput
+    from moeinfra.server.router import Tracked
+
+    router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0)})
+    router._send = lambda rank, message: None
+    tracked = Tracked("cmpl-2", [1, 2, 3], SamplingParams(max_tokens=3), 0)
+    router.submit(tracked)
+    router._output(tracked.decode, StepOutput("cmpl-2", [9], "b", False))
+    router._output(tracked.decode, StepOutput("cmpl-2", [10], "c", True, "length"))
+    assert tracked.events.empty() and "cmpl-2" in router.requests
+    router._output(tracked.prefill, StepOutput("cmpl-2", [8], "a", False))
+    texts = [tracked.events.get_nowait().new_text for _ in range(3)]
+    assert texts == ["a", "b", "c"] and tracked.events.empty()
+    assert "cmpl-2" not in router.requests and tracked.generated == 3

@@ -165,6 +165,7 @@ class Tracked:
     retries: int = 0
     arrival_s: float = field(default_factory=time.monotonic)
     generated: int = 0
+    early: list = field(default_factory=list)  # decode outputs that overtook the first token
 
     @property
     def uncached(self) -> int:
@@ -316,6 +317,7 @@ class Router:
             pick = DecodeLoadBalancer(len(decode_ranks)).assign_decode([n + 1], kv, count)
             decode = decode_ranks[int(pick[0])]
         tracked.prefill, tracked.decode, tracked.phase = prefill, decode, "prefill"
+        tracked.early = []
         prefill.queued_tokens += tracked.uncached
         prefill.queued_attention += float(attention_cost(tracked.uncached, cached))
         prefill.requests.add(tracked.request_id)
@@ -469,6 +471,18 @@ class Router:
                 self._send(rank, ("abort", out.request_id))
             return
         out.request_id = tracked.request_id
+        if rank is not tracked.prefill and tracked.phase == "prefill":
+            # The prefill and decode ranks send on their own connections: the decode rank's
+            # tokens can arrive before the prefill rank's first token. Hold them until it does.
+            tracked.early.append(out)
+            return
+        self._deliver(rank, tracked, out)
+        if tracked.early and tracked.phase == "decode":
+            early, tracked.early = tracked.early, []
+            for held in early:
+                self._deliver(tracked.decode, tracked, held)
+
+    def _deliver(self, rank: RankState, tracked: Tracked, out) -> None:
         if rank is tracked.prefill and tracked.phase == "prefill" and out.new_token_ids:
             self._release_prefill(tracked)
         if out.new_token_ids:
