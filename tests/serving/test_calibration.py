@@ -238,3 +238,42 @@ def test_the_prompt_overhead_is_fitted_from_steps_finishing_several_prompts():
     # one prompt per 4,096 tokens everywhere: a per-prompt cost is a per-token cost, not fitted
     plain = fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3)
     assert "prompt_overhead_s" not in plain.fitted and plain.factors["prompt_overhead_s"] == 0
+
+
+@pytest.mark.parametrize("name", ["deepseek-h800", "sglang-h100"])
+def test_a_shipped_calibration_is_its_measurements_fitted(name):
+    """Each shipped calibration is `serve calibrate --measurements` on the published figures that
+    ship beside it (their source named in both), and fits every one of them within 10%."""
+    from moeinfra.serving.calibration import builtin_file
+
+    shipped = load_calibration(name)
+    refit = fit_measurements(builtin_file(name, "measurements"))
+    assert shipped.name == refit.name == name
+    assert shipped.source == refit.source and "lmsys.org" in shipped.source
+    assert shipped.hardware.name == name.split("-")[1]
+    assert shipped.factors == pytest.approx(refit.factors, rel=1e-6)
+    measured = np.array([p.seconds for p in shipped.fit_points])
+    assert np.abs(shipped.predict(shipped.fit_points) / measured - 1).max() < 0.10
+
+
+def test_shipped_calibrations_carry_across_systems_within_the_documented_bands():
+    """docs/serving-model.md, "Calibrations": fitted on DeepSeek's H800 profiles, SGLang's H100
+    points are predicted 15-20% fast; fitted on SGLang's, DeepSeek's 26% slow. The
+    first-principles model is 17-40% fast on both."""
+    deepseek, sglang = load_calibration("deepseek-h800"), load_calibration("sglang-h100")
+    to_sglang = deepseek.errors_on(sglang)
+    to_deepseek = sglang.errors_on(deepseek)
+    assert -0.22 <= to_sglang["bias"] <= -0.12 and to_sglang["max_abs"] <= 0.22
+    assert 0.22 <= to_deepseek["bias"] <= 0.30 and to_deepseek["max_abs"] <= 0.30
+    for cal in (deepseek, sglang):
+        points = cal.fit_points
+        first_principles = predict_seconds(points, cal.hardware, cal.model, DEFAULT_EFFICIENCY)
+        errors = first_principles / np.array([p.seconds for p in points]) - 1
+        assert (errors >= -0.42).all() and (errors <= -0.15).all()
+
+
+def test_an_unknown_calibration_name_lists_the_shipped_ones():
+    with pytest.raises(
+        InputError, match=r"no such file; allowed: none, deepseek-h800, sglang-h100"
+    ):
+        load_calibration("deepseek-h900")

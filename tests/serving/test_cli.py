@@ -267,3 +267,23 @@ def test_simulate_a_fixed_fleet_of_chosen_units_at_my_price():
     payload = json.loads(result.stdout)
     assert payload["peak_nodes"] == 12 and payload["avg_nodes"] == pytest.approx(12.0)
     assert payload["cost_usd"] == pytest.approx(12 * 0.1 * 8 * 3.0)
+
+
+def test_model_with_a_shipped_calibration_names_it_and_its_source():
+    result = cli(
+        "model",
+        "--phase",
+        "prefill",
+        "--prompt-len",
+        "1024",
+        "--calibration",
+        "sglang-h100",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["calibration"]["name"] == "sglang-h100" and doc["hardware"] == "h100"
+    assert "lmsys.org" in doc["calibration"]["source"]
+    missing = cli("model", "--calibration", "sglang-h200")
+    assert missing.returncode == 2
+    assert "allowed: none, deepseek-h800, sglang-h100 or a file" in missing.stderr

@@ -75,16 +75,19 @@ def parse_unit(text: str, name: str, phase: str):
 
 
 CALIBRATION_HELP = (
-    "none (the first-principles model) or a calibration file written by moeinfra serve "
+    "none (the first-principles model), deepseek-h800 or sglang-h100 (shipped: fitted on DeepSeek's "
+    "H800 profiles / SGLang's H100 figures) or a calibration file written by moeinfra serve "
     "calibrate: its hardware, model, unit shapes and fitted factors are used."
 )
 
 
 def _calibration(value: str):
-    from moeinfra.serving.calibration import load_calibration
+    from moeinfra.serving.calibration import BUILTIN, load_calibration
 
-    if value != "none":
-        allowed = "allowed: none or a file written by moeinfra serve calibrate"
+    if value != "none" and value not in BUILTIN:
+        allowed = (
+            f"allowed: none, {', '.join(BUILTIN)} or a file written by moeinfra serve calibrate"
+        )
         input_file(Path(value), "--calibration", allowed)
     return load_calibration(value)
 
@@ -535,5 +538,6 @@ def model_cmd(
     console.print(table)
     console.print(
         f"head {b.head_s * 1e3:.3f} ms; host and launch overhead {b.overhead_s * 1e3:.1f} ms; "
-        f"expert imbalance {perf.balance.imbalance:.3f}"
+        f"expert imbalance {perf.balance.imbalance:.3f}; calibration "
+        f"{'none' if cal is None else cal.name}"
     )

@@ -164,6 +164,15 @@ class Calibration:
             ),
         }
 
+    def errors_on(self, other: Calibration) -> dict[str, float]:
+        """Relative errors of this calibration's factors on another's measured points, computed on
+        that one's hardware and model: how a calibration carries across systems."""
+        points = (*other.fit_points, *other.validation_points)
+        predicted = predict_seconds(
+            points, other.hardware, other.model, self.efficiency(), other.kv_tokens_per_gpu
+        )
+        return relative_errors(points, predicted)
+
     def summary(self) -> dict:
         """What every JSON output names: the calibration, its factors and its errors."""
         return {
@@ -250,15 +259,29 @@ class Calibration:
             raise InputError(f"{where}: malformed calibration ({err!r})") from None
 
 
+#: Calibrations shipped with moeinfra: ``data/calibrations/<name>.json``, fitted by ``moeinfra serve
+#: calibrate --measurements`` on the published figures in ``data/measurements/<name>.json`` (each
+#: names its source).
+BUILTIN = ("deepseek-h800", "sglang-h100")
+
+
+def builtin_file(name: str, kind: str = "calibrations"):
+    """A shipped calibration (``kind="calibrations"``) or the measurements it was fitted on."""
+    from importlib import resources
+
+    return resources.files("moeinfra.serving").joinpath("data", kind, f"{name}.json")
+
+
 def load_calibration(name_or_path: str | Path | None) -> Calibration | None:
-    """``none``/None (the first-principles model) or a calibration file's path."""
+    """``none``/None (the first-principles model), a shipped calibration's name
+    (:data:`BUILTIN`) or a calibration file's path."""
     if name_or_path is None or str(name_or_path) == "none":
         return None
-    path = Path(name_or_path)
+    path = builtin_file(str(name_or_path)) if str(name_or_path) in BUILTIN else Path(name_or_path)
     if not path.is_file():
         raise InputError(
-            f"--calibration={str(name_or_path)!r}: no such file; allowed: none or the path of a "
-            "file written by moeinfra serve calibrate"
+            f"--calibration={str(name_or_path)!r}: no such file; allowed: none, "
+            f"{', '.join(BUILTIN)} or the path of a file written by moeinfra serve calibrate"
         )
     try:
         data = json.loads(path.read_text())
