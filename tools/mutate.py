@@ -218,6 +218,9 @@ def _run(package: str, work: Path, max_children: int, sample: int) -> float:
     start = time.monotonic()
     mutmut = Path(sys.executable).parent / "mutmut"
     cmd = [str(mutmut), "run", "--max-children", str(max_children)]
+    # mutmut maps only new test names to the functions they run: a test changed since the last
+    # run would keep its old map, so every run collects the map afresh
+    (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     target = TARGETS[package]
     if target.spawned:
         _map_spawned_tests(package, target, work, cmd, env)

@@ -364,6 +364,29 @@ def test_planner_finds_fewer_units_for_less_traffic():
         plan_capacity(light, slo_ttft_p95_s=0, slo_tpot_p95_s=0.05)
 
 
+def test_decode_on_a_shared_host_loses_progress_while_a_prefill_computes():
+    """The contention test below with 50 ms ticks (fast enough for make mutate): request A decodes
+    throughout B's prefill of W seconds, so it finishes W * c / (1 + c) later (c = 0.5), within a
+    tick's share."""
+    from dataclasses import replace
+
+    from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
+    from moeinfra.serving.unit_cost import prefill_cost
+
+    w = Workload(
+        np.array([0.0, 5.0]), np.array([100, 100_000]), np.array([4000, 1]), np.zeros(2), 1.0, 60.0
+    )
+    cfg = SimConfig(tick_s=0.05, drain_s=600.0)
+    base = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, cfg)
+    eff = replace(DEFAULT_EFFICIENCY, decode_contention=0.5)
+    slowed = simulate(
+        w, constant_schedule(1, 1, 60.0), PREFILL, PerfModel(DECODE.dep, HW, eff=eff), cfg
+    )
+    work = prefill_cost(PREFILL, DECODE, w, cfg.balancer).work_s[1]
+    delay = slowed.finish_s[0] - base.finish_s[0]
+    assert delay == pytest.approx(work * 0.5 / 1.5, abs=cfg.tick_s)
+
+
 @pytest.mark.slow  # 5 ms ticks over 11 simulated minutes, three times: ~20 s
 def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
     """Units sharing a host's cores (a live CPU calibration): while the prefill unit computes a

@@ -224,3 +224,29 @@ def test_layer_rows_are_each_layers_parts_and_totals_in_milliseconds():
     assert [r["layer"] for r in rows] == [0, 1]
     for row, want in zip(rows, expected, strict=True):
         assert row == pytest.approx(want)
+
+
+def test_plain_gemms_run_at_deepgemms_best_rate_and_mla_down_has_v3s_width():
+    """GEMMs outside DeepGEMM's table (gate, dense MLP, LM head) run at 1,350 of the H800's 1,979
+    FP8 TFLOPS when compute-bound; the MLA down projection of DeepSeek-V3 maps 7,168 to
+    1,536 (q) + 512 (kv) + 64 (rope) = 2,112 columns."""
+    perf = PerfModel(Deployment("prefill", 4), hardware("h800"))
+    flops = 2 * 4096 * 7168 * 129280  # an LM head over 4,096 rows: far above the memory bound
+    assert perf._gemm(flops, 7168 * 129280) == pytest.approx(flops / 1350e12)
+    # DeepSeek-V3's four MLA projections for 1,024 rows, shapes [rows, k] x [k, n] by hand
+    shapes = [
+        ("mla_down", 1536 + 512 + 64, 7168),
+        ("q_up", 128 * (128 + 64), 1536),
+        ("kv_up", 128 * (128 + 128), 512),
+        ("attn_out", 7168, 128 * 128),
+    ]
+    expected = sum(perf._deepgemm(role, 1024, n, k) for role, n, k in shapes)
+    assert perf._mla_projections(1024, 1024) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_decode_gate_is_a_gemm_over_every_routed_expert():
+    """At 8,192 requests per GPU (4,096 per micro-batch) the gate, [4096, 7168] x [7168, 256], is
+    compute-bound: 2 x 4096 x 7168 x 256 FLOPs at 1,350 TFLOPS."""
+    perf = PerfModel(Deployment("decode", 18), hardware("h800"))
+    gate = perf._decode_parts(8192.0, 1000.0)[4]
+    assert gate == pytest.approx(2 * 4096 * 7168 * 256 / 1350e12)

@@ -126,7 +126,7 @@ def test_cli_report_tables_and_png(deepseek_trace_path, tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_kernels_and_diff(deepseek_trace_path):
+def test_cli_kernels(deepseek_trace_path):
     res = runner.invoke(app, ["kernels", str(deepseek_trace_path), "--top", "5", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
@@ -135,12 +135,6 @@ def test_cli_kernels_and_diff(deepseek_trace_path):
     assert totals == sorted(totals, reverse=True)
     res = runner.invoke(app, ["kernels", str(deepseek_trace_path), "--top", "3"])
     assert res.exit_code == 0 and "count" in res.output
-    res = runner.invoke(app, ["diff", str(deepseek_trace_path), str(deepseek_trace_path), "--json"])
-    assert res.exit_code == 0, res.output
-    diff = json.loads(res.output)
-    assert all(v["delta"] == 0 for v in diff["devices"][0]["metrics"].values())
-    res = runner.invoke(app, ["diff", str(deepseek_trace_path), str(deepseek_trace_path)])
-    assert res.exit_code == 0 and "exposed_comm_us" in res.output
 
 
 def test_cli_truncated_trace_exits_2_with_one_line(tmp_path, deepseek_trace_path):

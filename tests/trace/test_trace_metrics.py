@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -138,6 +139,22 @@ def test_diff_shows_what_became_exposed(tmp_path):
         and top["delta_total_us"] == 10
         and top["delta_exposed_us"] == 5
     )
+
+
+def test_cli_diff_prints_the_known_differences(tmp_path):
+    """The same two traces through `moeinfra trace diff`: 5 µs more exposed communication."""
+    from typer.testing import CliRunner
+
+    from moeinfra.cli.trace import app
+
+    a = write_trace(tmp_path / "a.json", scenario_events())
+    b = write_trace(tmp_path / "b.json", scenario_events(nccl_dur=30))
+    res = CliRunner().invoke(app, ["diff", str(a), str(b), "--json"])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads(res.output)["devices"][0]["metrics"]
+    assert metrics["exposed_comm_us"] == {"a": 10, "b": 15, "delta": 5}
+    res = CliRunner().invoke(app, ["diff", str(a), str(b)])
+    assert res.exit_code == 0 and "exposed_comm_us" in res.output
 
 
 def test_comm_patterns_add_rules(tmp_path):
