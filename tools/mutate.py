@@ -190,15 +190,14 @@ def _recheck_survivors(work: Path) -> None:
 
 
 def _map_spawned_tests(package: str, target: Target, work: Path, cmd: list[str], env: dict) -> None:
-    """Add ``target.spawned``'s tests to every function of their modules in mutmut's stats
-    (collected first if missing)."""
+    """Collect mutmut's stats, then add ``target.spawned``'s tests to every function their prefixes
+    name."""
     stats = work / "mutants" / "mutmut-stats.json"
+    # mutmut has no stats-only command: a filter that matches no mutant (every name ends in a digit)
+    # collects and saves the stats, then stops
+    subprocess.run([*cmd, "*[!0-9]"], cwd=work, env=env, capture_output=True, check=False)
     if not stats.exists():
-        # mutmut has no stats-only command: a filter that matches no mutant (every name ends in a
-        # digit) collects and saves the stats, then stops
-        subprocess.run([*cmd, "*[!0-9]"], cwd=work, env=env, capture_output=True, check=False)
-        if not stats.exists():
-            raise SystemExit(f"{package}: mutmut did not collect its stats in {work}/mutants")
+        raise SystemExit(f"{package}: mutmut did not collect its stats in {work}/mutants")
     data = json.loads(stats.read_text())
     tests = data["tests_by_mangled_function_name"]
     for prefix, spawned in target.spawned:
