@@ -215,3 +215,22 @@ def test_bench_replays_a_trace_whose_hash_ids_really_share_prefixes(server, tmp_
     assert (out / "bench.png").stat().st_size > 0
     bad = CliRunner().invoke(app, ["serve", "bench", "--url", server.url, "--rate", "0", "-q"])
     assert bad.exit_code != 0
+
+
+def test_bench_holds_at_most_max_concurrency_requests_in_flight(server):
+    """Eight requests due at once, at most three sent at a time: never more than three streams
+    overlap, each is sent no earlier than it is due, and together they take longer than one wave."""
+    import asyncio
+
+    from moeinfra.server.bench import replay, synthetic_requests
+
+    requests = synthetic_requests(8, vocab=1000, output_tokens=(12, 12), seed=5)
+    results, _ = asyncio.run(replay(server.url, requests, max_concurrency=3))
+    assert all(r.error is None for r in results), [r.error for r in results]
+    spans = [(r.sent_s, r.sent_s + r.latency_s) for r in results]
+    assert all(r.sent_s >= r.arrival_s for r in results)
+    # a stream ends (latency_s) before its slot is free for the next one
+    for start, _ in spans:
+        overlapping = sum(s <= start < e for s, e in spans)
+        assert overlapping <= 3, spans
+    assert sum(r.sent_s > min(e for _, e in spans) for r in results) >= 8 - 3

@@ -28,6 +28,7 @@ def calibration(server, tmp_path_factory):
 def test_steps_endpoint_reports_every_units_steps(server, calibration):
     info = httpx.get(f"{server.url}/calibration/steps").json()
     assert info["config"]["model_type"] == "deepseek_v3"
+    assert info["capacity"] == 8 + 4  # --max-num-seqs 8 on one decode rank, --max-queue 4
     roles = {u["role"]: u for u in info["units"]}
     assert set(roles) == {"prefill", "decode"}
     assert {s["phase"] for s in roles["prefill"]["steps"]} == {"prefill"}

@@ -13,6 +13,10 @@ import pytest
     [
         (["serve", "bench", "--url", "http://127.0.0.1:9", "-n", "2", "-q"], "--url="),
         (["serve", "bench", "--url", "http://127.0.0.1:9", "--rate", "0"], "--rate=0"),
+        (
+            ["serve", "bench", "--url", "http://127.0.0.1:9", "--max-concurrency", "0"],
+            "--max-concurrency=0",
+        ),
         (["serve", "unit", "--server", "bogus", "--role", "decode"], "--server='bogus'"),
         (["serve", "unit", "--server", "tcp://h:1", "--role", "judge"], "--role='judge'"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),

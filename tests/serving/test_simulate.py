@@ -387,7 +387,7 @@ def test_decode_on_a_shared_host_loses_progress_while_a_prefill_computes():
     assert delay == pytest.approx(work * 0.5 / 1.5, abs=cfg.tick_s)
 
 
-@pytest.mark.slow  # 5 ms ticks over 11 simulated minutes, three times: ~20 s
+@pytest.mark.slow  # 5 ms ticks over ~70 simulated seconds, four times: ~2 s
 def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
     """Units sharing a host's cores (a live CPU calibration): while the prefill unit computes a
     prompt for W seconds, a decode step takes (1 + c) times as long, so a request decoding
@@ -397,11 +397,11 @@ def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
 
     from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
 
-    # A decodes from t=0 for ~minutes; B, a one-token answer, only occupies the prefill unit
+    # A decodes from t=0 for ~a minute; B, a one-token answer, only occupies the prefill unit
     w = Workload(
         np.array([0.0, 5.0]),
         np.array([100, 100_000]),
-        np.array([4000, 1]),
+        np.array([400, 1]),
         np.zeros(2),
         1.0,
         60.0,
@@ -417,6 +417,7 @@ def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
 
     work = prefill_cost(PREFILL, DECODE, w, cfg.balancer).work_s[1]  # the unit's busy window
     assert 0.5 < work <= base.ttft_s[1]
+    assert base.finish_s[0] > 5.0 + base.ttft_s[1]  # A decodes throughout B's prefill
     delay = slowed.finish_s[0] - base.finish_s[0]
     assert delay == pytest.approx(work * c / (1 + c), rel=0.02)
     assert slowed.ttft_s[1] == base.ttft_s[1]

@@ -334,6 +334,12 @@ def register(app: typer.Typer) -> None:
             512, "--block-tokens", help="Tokens per trace hash_id block."
         ),
         vocab: int = typer.Option(1000, "--vocab", help="Token ids drawn from 1..vocab-1."),
+        max_concurrency: int | None = typer.Option(
+            None,
+            "--max-concurrency",
+            help="At most this many requests in flight; a request due while they are waits "
+            "(not counted in its TTFT). Default: no limit.",
+        ),
         seed: int = typer.Option(0, "--seed"),
         out: Path = typer.Option(Path("bench"), "--out", "-o", help="Folder for JSON + figure."),
         quiet: bool = typer.Option(False, "--quiet", "-q"),
@@ -351,6 +357,8 @@ def register(app: typer.Typer) -> None:
 
         if vocab < 2:
             raise InputError(f"--vocab={vocab} must be >= 2")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise InputError(f"--max-concurrency={max_concurrency} must be >= 1")
         if workload != "synthetic":
             input_file(Path(workload), "--workload", "allowed: synthetic or a .jsonl trace")
         output_folder(out, "--out")
@@ -365,14 +373,23 @@ def register(app: typer.Typer) -> None:
                 b.poisson_arrivals(requests, rate, seed)
         bar = tqdm(total=len(requests), unit="req", disable=quiet or not sys.stderr.isatty())
         try:
-            results, wall = asyncio.run(b.replay(url, requests, progress=lambda: bar.update(1)))
+            results, wall = asyncio.run(
+                b.replay(
+                    url,
+                    requests,
+                    progress=lambda: bar.update(1),
+                    max_concurrency=max_concurrency,
+                )
+            )
         finally:
             bar.close()
         summary = b.summarize(results, wall)
         summary["workload"] = workload
+        summary["max_concurrency"] = max_concurrency
         per_request = [
             {
                 "arrival_s": r.arrival_s,
+                "sent_s": r.sent_s,
                 "prompt_tokens": r.prompt_tokens,
                 "output_tokens": r.output_tokens,
                 "cached_tokens": r.cached_tokens,

@@ -192,7 +192,12 @@ def create_app(
                     "steps": u.step_records(),
                 }
             )
-        return {"model": model_name, "config": model_config or {}, "units": units}
+        return {
+            "model": model_name,
+            "config": model_config or {},
+            "capacity": router.capacity(),
+            "units": units,
+        }
 
     @app.get("/v1/models")
     async def models():

@@ -15,6 +15,7 @@ percentiles, throughput, cache hit rate and error count, as JSON, and a figure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class BenchResult:
 
     arrival_s: float
     prompt_tokens: int
+    sent_s: float | None = None  # from the replay's start; later than arrival_s while capped
     output_tokens: int = 0
     cached_tokens: int = 0
     ttft_s: float | None = None
@@ -155,9 +157,16 @@ def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int = 0) -
 
 
 async def stream_request(
-    client, url: str, model: str, req: BenchRequest, start: float
+    client, url: str, model: str, req: BenchRequest, start: float, slots=None
 ) -> BenchResult:
+    """Send ``req`` at its arrival time (once one of ``slots``, an ``asyncio.Semaphore``, is free)
+    and time its stream from the moment it is sent."""
     await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+    async with slots or contextlib.nullcontext():
+        return await _stream(client, url, model, req, start)
+
+
+async def _stream(client, url: str, model: str, req: BenchRequest, start: float) -> BenchResult:
     result = BenchResult(req.arrival_s, len(req.prompt_ids))
     body = {
         "model": model,
@@ -169,6 +178,7 @@ async def stream_request(
         "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
+    result.sent_s = sent - start
     last = None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -201,11 +211,21 @@ async def stream_request(
 
 
 async def replay(
-    url: str, requests: list[BenchRequest], *, timeout_s: float = 600.0, progress=None
+    url: str,
+    requests: list[BenchRequest],
+    *,
+    timeout_s: float = 600.0,
+    progress=None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[BenchResult], float]:
-    """Send every request at its arrival time; ``(results in request order, wall seconds)``."""
+    """Send every request at its arrival time, or later while ``max_concurrency`` requests are in
+    flight (as vLLM's benchmark does: the wait is not part of TTFT); ``(results in request order,
+    wall seconds)``."""
     import httpx
 
+    if max_concurrency is not None and max_concurrency < 1:
+        raise InputError(f"--max-concurrency={max_concurrency} must be >= 1")
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     url = url.rstrip("/").removesuffix("/v1")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -217,7 +237,8 @@ async def replay(
             ) from None
         start = time.perf_counter()
         tasks = [
-            asyncio.create_task(stream_request(client, url, model, r, start)) for r in requests
+            asyncio.create_task(stream_request(client, url, model, r, start, slots))
+            for r in requests
         ]
         if progress is not None:
             for task in tasks:

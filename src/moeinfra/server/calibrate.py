@@ -266,9 +266,12 @@ def calibrate_live(
         int(engine["num_kv_blocks"]) * int(engine["block_size"]) // 4,
         1024,
     )
+    # never more in flight than the server holds: a loaded host would otherwise refuse the
+    # prompts that pile up behind a slow step
+    in_flight = int(info.get("capacity") or slots)
     waves = probe_load(PROBE_VOCAB, max_prompt, min(slots, 64), seed)
     for wave in waves:
-        results, _ = asyncio.run(replay(url, wave))
+        results, _ = asyncio.run(replay(url, wave, max_concurrency=in_flight))
         failed = [r.error for r in results if r.error]
         if failed:
             raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
@@ -277,7 +280,9 @@ def calibrate_live(
     # serving traffic: Poisson arrivals at a quarter of the prefill unit's pace
     prefill_steps = _prefill_seconds(asyncio.run(_get_steps(url)))
     rate = 0.25 * len(prefill) / float(np.median(prefill_steps))
-    results, _ = asyncio.run(replay(url, steady_load(PROBE_VOCAB, max_prompt, rate, seed)))
+    results, _ = asyncio.run(
+        replay(url, steady_load(PROBE_VOCAB, max_prompt, rate, seed), max_concurrency=in_flight)
+    )
     failed = [r.error for r in results if r.error]
     if failed:
         raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
