@@ -235,8 +235,15 @@ def simulate_cmd(
     """Simulate a fleet over a day (default: DeepSeek's published day) and report cost and latency."""
     from tqdm import tqdm
 
-    from moeinfra.serving.scenario import build_scenario, published_vs_simulated
+    from moeinfra.serving.scenario import PUBLISHED, build_scenario, published_vs_simulated
     from moeinfra.serving.simulate import SimConfig
+    from moeinfra.serving.uncertainty import (
+        METHOD,
+        has_spread,
+        ranges,
+        simulate_figures,
+        step_time_bounds,
+    )
 
     trace, bad = (None, 0)
     check_positive(scale, "--scale")
@@ -253,8 +260,7 @@ def simulate_cmd(
         output_folder(out, "--out")  # before the simulation, not after it
     if workload is not None:
         trace, bad = _load_workload(workload, skip_bad, hit_ratio, hash_block_tokens, demand_scale)
-    built = build_scenario(
-        scenario,
+    scenario_args = dict(
         workload=trace,
         hardware_name=hardware,
         hours=hours,
@@ -276,30 +282,55 @@ def simulate_cmd(
         block=None if block is None else parse_block(block),
         balancer=balancer,
     )
-    total_s = built.schedule.duration_s
+    built = build_scenario(scenario, **scenario_args)
+    bounds = step_time_bounds(cal) if cal is not None else {}
+    runs = 3 if has_spread(bounds) else 1
+    total_h = round(built.schedule.duration_s / 3600.0, 2)
     show = not quiet and sys.stderr.isatty()
-    with tqdm(
-        total=round(total_s / 3600.0, 2), unit="h", desc="simulated", disable=not show
-    ) as bar:
-        last = [0.0]
+    config = SimConfig(
+        tick_s=tick_s,
+        record_every_s=max(60.0, tick_s),
+        balancer=balancer,
+        drain_s=3600.0 if drain and workload is not None else 0.0,
+    )
+    with tqdm(total=total_h * runs, unit="h", desc="simulated", disable=not show) as bar:
+        done = [0.0]
 
-        def progress(t_s: float) -> None:
-            step = round(t_s / 3600.0, 2) - last[0]
-            if step > 0:
-                bar.update(step)
-                last[0] += step
+        def run(scn):
+            last = [0.0]
 
-        config = SimConfig(
-            tick_s=tick_s,
-            record_every_s=max(60.0, tick_s),
-            balancer=balancer,
-            drain_s=3600.0 if drain and workload is not None else 0.0,
-        )
-        result = built.run(config, progress=progress)
-    payload = result.to_dict()
+            def progress(t_s: float) -> None:
+                step = min(round(t_s / 3600.0, 2), total_h) - last[0]
+                if step > 0:
+                    bar.update(step)
+                    last[0] += step
+
+            out = scn.run(config, progress=progress)
+            done[0] += total_h
+            bar.n = done[0]
+            bar.refresh()
+            return out
+
+        result = run(built)
+        payload = result.to_dict()
+        point = simulate_figures(payload)
+        bound_figures = [
+            simulate_figures(
+                run(build_scenario(scenario, **scenario_args, time_scale=bounds[side])).to_dict()
+            )
+            for side in ("fast", "slow")
+            if runs == 3
+        ]
     payload["scenario"] = scenario
     payload["hardware"] = built.prefill.hw.name
     payload["calibration"] = _calibration_summary(cal)
+    payload["ranges"] = None if cal is None else ranges(point, *bound_figures)
+    payload["range_method"] = (
+        "none: the first-principles model has no residuals (pass --calibration)"
+        if cal is None
+        else METHOD + ("" if runs == 3 else "; this calibration fits its points exactly: no spread")
+    )
+    payload["step_time_bounds"] = bounds or None
     payload["workload"] = str(workload) if workload else built.workload.name
     if workload is not None:
         payload["bad_lines_skipped"] = bad
@@ -333,13 +364,23 @@ def simulate_cmd(
         title=f"{payload['workload']} on {payload['hardware']} ({payload['hours']:.2f} h, "
         f"calibration {'none' if cal is None else cal.name})"
     )
+    spread = payload["ranges"] if runs == 3 else None
+
+    def span(key: str, unit: float = 1.0, fmt=format_figure) -> str:
+        lo, hi = (spread or {}).get(key, (None, None))
+        return "" if lo is None else f"{fmt(lo * unit)} - {fmt(hi * unit)}"
+
     table.add_column("figure")
     table.add_column("simulated", justify="right")
+    if spread:
+        table.add_column("range (calibration)", justify="right")
     if workload is None and hours is None:
         table.add_column("published", justify="right")
         table.add_column("difference", justify="right")
-        for label, published, simulated, diff in published_vs_simulated(result.totals):
-            table.add_row(label, format_figure(simulated), format_figure(published), f"{diff:+.1%}")
+        rows = zip(PUBLISHED, published_vs_simulated(result.totals), strict=True)
+        for key, (label, published, simulated, diff) in rows:
+            cells = [format_figure(simulated), format_figure(published), f"{diff:+.1%}"]
+            table.add_row(label, *cells[:1], *([span(key)] if spread else []), *cells[1:])
     else:
         for key in (
             "avg_nodes",
@@ -353,15 +394,19 @@ def simulate_cmd(
             "decode_tokens_per_s_per_node",
             "mean_output_tokens_per_s",
         ):
-            table.add_row(key, format_figure(payload[key]))
+            table.add_row(key, format_figure(payload[key]), *([span(key)] if spread else []))
     console.print(table)
     req = payload["requests"]
+    ttft_range = span("ttft_p95_s", fmt=lambda v: f"{v:.3f}")
+    tpot_range = span("tpot_p95_s", 1e3, fmt=lambda v: f"{v:.1f}")
     console.print(
         f"requests: {req['arrived']:,.0f} arrived = {req['completed']:,.0f} completed + "
         f"{req['running']:,.0f} running + {req['rejected']:,.0f} rejected; "
-        f"TTFT p95 {payload['ttft_s'].get('p95', float('nan')):.3f} s, "
-        f"TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms, "
-        f"inter-token latency p99 {payload['itl_s'].get('p99', float('nan')) * 1e3:.1f} ms"
+        f"TTFT p95 {payload['ttft_s'].get('p95', float('nan')):.3f} s"
+        + (f" ({ttft_range})" if ttft_range else "")
+        + f", TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms"
+        + (f" ({tpot_range})" if tpot_range else "")
+        + f", inter-token latency p99 {payload['itl_s'].get('p99', float('nan')) * 1e3:.1f} ms"
     )
 
 
@@ -395,6 +440,13 @@ def plan_cmd(
     """Cheapest fixed fleet (units and EP degree / redundant experts) meeting the SLOs."""
     from moeinfra.serving.planner import plan_capacity
     from moeinfra.serving.specs import priced_hardware
+    from moeinfra.serving.uncertainty import (
+        METHOD,
+        has_spread,
+        plan_figures,
+        ranges,
+        step_time_bounds,
+    )
 
     slo_ttft_s = parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
     slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
@@ -403,14 +455,26 @@ def plan_cmd(
     hw = priced_hardware(hardware, gpu_hour_usd)
     cal = _calibration(calibration)
     trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
-    result = plan_capacity(
-        trace,
-        slo_ttft_p95_s=slo_ttft_s,
-        slo_tpot_p95_s=slo_tpot_s,
-        hw=hw,
-        calibration=cal,
-    )
-    payload = result.to_dict() | {"calibration": _calibration_summary(cal)}
+    args = dict(slo_ttft_p95_s=slo_ttft_s, slo_tpot_p95_s=slo_tpot_s, hw=hw, calibration=cal)
+    result = plan_capacity(trace, **args)
+    bounds = step_time_bounds(cal) if cal is not None else {}
+    bound_figures = []
+    for side in ("fast", "slow") if has_spread(bounds) else ():
+        try:
+            bound = plan_figures(plan_capacity(trace, **args, time_scale=bounds[side]))
+        except InputError:  # no candidate meets the SLOs at this bound
+            bound = dict.fromkeys(plan_figures(result))
+        bound_figures.append(bound)
+    payload = result.to_dict() | {
+        "calibration": _calibration_summary(cal),
+        "ranges": None if cal is None else ranges(plan_figures(result), *bound_figures),
+        "range_method": "none: the first-principles model has no residuals (pass --calibration)"
+        if cal is None
+        else METHOD
+        + ("" if bound_figures else "; this calibration fits its points exactly: no spread")
+        + "; null: at that bound no candidate meets the SLOs",
+        "step_time_bounds": bounds or None,
+    }
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
@@ -434,6 +498,16 @@ def plan_cmd(
         f"{result.decode.units} x {result.decode.nodes}-node decode = {result.nodes} nodes, "
         f"${result.cost_usd:,.2f}"
     )
+    if bound_figures:
+        (n_lo, n_hi), (c_lo, c_hi) = payload["ranges"]["nodes"], payload["ranges"]["cost_usd"]
+        console.print(
+            "range (calibration residuals): "
+            + (
+                "at the slow bound no candidate meets the SLOs"
+                if n_lo is None
+                else f"{n_lo:,.0f} - {n_hi:,.0f} nodes, ${c_lo:,.2f} - ${c_hi:,.2f}"
+            )
+        )
 
 
 @app.command("model")

@@ -8,6 +8,8 @@
 * :mod:`~moeinfra.serving.schedule` — units over time (DeepSeek's node curve, target utilisation).
 * :mod:`~moeinfra.serving.simulate` — the fleet simulator; :mod:`~moeinfra.serving.scenario` — presets.
 * :mod:`~moeinfra.serving.cost` — cost, theoretical revenue, margin; :mod:`~moeinfra.serving.planner`.
+* :mod:`~moeinfra.serving.calibration` — fitted calibrations; :mod:`~moeinfra.serving.uncertainty`
+  — ranges from a calibration's residuals.
 
 No torch anywhere in this package. Formulas and method: docs/serving-model.md.
 """
@@ -35,6 +37,7 @@ from moeinfra.serving.specs import (
     hardware,
     priced_hardware,
 )
+from moeinfra.serving.uncertainty import step_time_bounds
 from moeinfra.serving.workload import LengthModel, Workload, deepseek_day, generate, read_trace
 
 __all__ = [
@@ -75,5 +78,6 @@ __all__ = [
     "read_trace",
     "revenue_usd",
     "simulate",
+    "step_time_bounds",
     "utilisation_schedule",
 ]

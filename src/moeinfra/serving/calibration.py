@@ -140,15 +140,25 @@ class Calibration:
     def efficiency(self) -> Efficiency:
         return efficiency_with(self.factors, self.gemm_table)
 
-    def perf_model(self, dep: Deployment) -> PerfModel:
-        """The performance model of ``dep`` on this calibration's hardware and model."""
+    def perf_model(self, dep: Deployment, time_scale: float = 1.0) -> PerfModel:
+        """The performance model of ``dep`` on this calibration's hardware and model, every step
+        time x ``time_scale``."""
         return PerfModel(
             dep,
             self.hardware,
             self.model,
-            self.efficiency(),
+            self.efficiency().scaled(time_scale),
             kv_tokens_per_gpu=self.kv_tokens_per_gpu,
         )
+
+    def measured_over_predicted(self, phase: str) -> tuple[float, float]:
+        """Smallest and largest measured / predicted step time over this calibration's points of
+        ``phase`` (fitted and held out); ``(1, 1)`` when it has none."""
+        points = [p for p in (*self.fit_points, *self.validation_points) if p.phase == phase]
+        if not points:
+            return 1.0, 1.0
+        ratio = np.array([p.seconds for p in points]) / self.predict(points)
+        return float(ratio.min()), float(ratio.max())
 
     def predict(self, points) -> np.ndarray:
         return predict_seconds(

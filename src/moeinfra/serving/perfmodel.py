@@ -11,7 +11,7 @@ figures, and shared by every scenario.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -153,6 +153,25 @@ class Efficiency:
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))
 
+    def scaled(self, k: float) -> Efficiency:
+        """Every modelled step time ``k`` times as long: each of :data:`TIME_TERMS` x ``k``."""
+        if not (np.isfinite(k) and k > 0):
+            raise InputError(f"time scale k={k} must be a finite number > 0")
+        return replace(self, **{term: getattr(self, term) * k for term in TIME_TERMS})
+
+
+#: The :class:`Efficiency` fields that are times (multipliers on modelled times, or seconds).
+#: Every other field is a rate or a share, and a step is a sum and maximum of terms each scaled
+#: by one of these, so scaling them all by k scales every step by k.
+TIME_TERMS = (
+    "gemm_time",
+    "attention_time",
+    "comm_time",
+    "comm_launch_s",
+    "step_overhead_s",
+    "prompt_overhead_s",
+    "decode_interrupt_s",
+)
 
 DEFAULT_EFFICIENCY = Efficiency()
 

@@ -101,9 +101,11 @@ def plan_capacity(
     max_units: int = 256,
     config: SimConfig | None = None,
     calibration: Calibration | None = None,
+    time_scale: tuple[float, float] = (1.0, 1.0),
 ) -> CapacityPlan:
     """Cheapest fleet meeting TTFT p95 <= ``slo_ttft_p95_s`` and per-request TPOT p95 <=
-    ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet."""
+    ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet.
+    ``time_scale``: (prefill, decode) multipliers on every step time."""
     if slo_ttft_p95_s <= 0 or slo_tpot_p95_s <= 0:
         raise InputError(
             f"slo_ttft_p95_s={slo_ttft_p95_s} and slo_tpot_p95_s={slo_tpot_p95_s} must be > 0"
@@ -122,11 +124,18 @@ def plan_capacity(
     hit = float(workload.cached_tokens.sum() / inputs.sum())
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / outputs.sum())
     models = {}
+    effs = {
+        phase: eff.scaled(k) for phase, k in zip(("prefill", "decode"), time_scale, strict=True)
+    }
     for phase, cands in (("prefill", prefill_candidates), ("decode", decode_candidates)):
         for nodes, red in cands:
             try:
                 models[(phase, nodes, red)] = PerfModel(
-                    Deployment(phase, nodes, red), hw, model, eff, kv_tokens_per_gpu=kv
+                    Deployment(phase, nodes, red),
+                    hw,
+                    model,
+                    effs[phase],
+                    kv_tokens_per_gpu=kv,
                 )
             except InputError:
                 continue

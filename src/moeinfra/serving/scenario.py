@@ -13,7 +13,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.calibration import Calibration
-from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
     DEFAULT_TARGET,
@@ -214,6 +214,7 @@ def build_scenario(
     balancer: str = "deepseek",
     gpu_hour_usd: float | None = None,
     calibration: Calibration | None = None,
+    time_scale: tuple[float, float] = (1.0, 1.0),
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
@@ -225,15 +226,27 @@ def build_scenario(
     balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
     preset's price. With a ``calibration``, its hardware, model and fitted factors replace
     ``hardware_name`` and the first-principles figures, and its measured unit shapes are the
-    default units."""
+    default units. ``time_scale``: (prefill, decode) multipliers on every step time (the bounds
+    of :mod:`moeinfra.serving.uncertainty`)."""
     if balancer not in BALANCERS:
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
+    k_prefill, k_decode = time_scale
     if calibration is None:
         hw = priced_hardware(hardware_name, gpu_hour_usd)
-        prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, DEEPSEEK_V3)
-        decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, DEEPSEEK_V3)
+        prefill = PerfModel(
+            prefill_dep or deepseek_prefill_unit(),
+            hw,
+            DEEPSEEK_V3,
+            DEFAULT_EFFICIENCY.scaled(k_prefill),
+        )
+        decode = PerfModel(
+            decode_dep or deepseek_decode_unit(),
+            hw,
+            DEEPSEEK_V3,
+            DEFAULT_EFFICIENCY.scaled(k_decode),
+        )
     else:
         if gpu_hour_usd is not None:
             calibration = replace(
@@ -241,9 +254,11 @@ def build_scenario(
             )
         units = calibration.units
         prefill = calibration.perf_model(
-            prefill_dep or units.get("prefill") or deepseek_prefill_unit()
+            prefill_dep or units.get("prefill") or deepseek_prefill_unit(), k_prefill
         )
-        decode = calibration.perf_model(decode_dep or units.get("decode") or deepseek_decode_unit())
+        decode = calibration.perf_model(
+            decode_dep or units.get("decode") or deepseek_decode_unit(), k_decode
+        )
     if workload is None:
         if hours is not None and not 0 < hours <= 24:
             raise InputError(f"hours={hours} must be in (0, 24]")
