@@ -493,6 +493,8 @@ def plan_cmd(
         )
     console = Console()
     console.print(table)
+    for reason in result.unfit:
+        console.print(f"left out: {reason}")
     console.print(
         f"cheapest: {result.prefill.units} x {result.prefill.nodes}-node prefill + "
         f"{result.decode.units} x {result.decode.nodes}-node decode = {result.nodes} nodes, "
@@ -563,6 +565,8 @@ def model_cmd(
             dep = cal.units[phase]
         perf = cal.perf_model(dep)
         hardware = cal.hardware.name
+    perf.check_fits()
+    memory = perf.memory_use()
     if phase == "prefill":
         b = perf.prefill_breakdown(
             attn_keys_per_token=min(prompt_len, tokens_per_gpu) / 2, prompt_len=prompt_len
@@ -584,6 +588,12 @@ def model_cmd(
         "tokens_per_s_per_node": tokens_per_s / dep.nodes,
         "expert_imbalance": perf.balance.imbalance,
         "kv_capacity_tokens_per_gpu": perf.kv_capacity_tokens_per_gpu,
+        "memory_gb_per_gpu": {
+            "weights": memory.weights / 1e9,
+            "activations": memory.activations / 1e9,
+            "kv_one_full_context_request": memory.kv_one_request / 1e9,
+            "usable": memory.usable / 1e9,
+        },
         "layers": b.rows(),
     }
     if phase == "decode":
@@ -615,3 +625,4 @@ def model_cmd(
         f"expert imbalance {perf.balance.imbalance:.3f}; calibration "
         f"{'none' if cal is None else cal.name}"
     )
+    console.print(f"memory per GPU: {memory.describe()}")

@@ -226,6 +226,40 @@ def _overlapped(mb: int, attention, mlp, dispatch, combine):
     return mb * (np.maximum(mlp, dispatch) + np.maximum(attention, combine))
 
 
+#: DeepSeek-V3's served context: one request of this many tokens must fit on one GPU (its KV cache
+#: lives on the data-parallel attention rank that holds it, in prefill and in decode).
+MAX_CONTEXT_TOKENS = 131_072
+#: Decode requests per GPU the activation estimate is made for: the largest published for
+#: DeepSeek-V3 decode (LMSYS/SGLang, 256 per GPU; DeepSeek's profile runs 128).
+DECODE_ACTIVATION_BATCH = 256
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes per GPU a unit needs in HBM: the weights, the activations of one step (both
+    micro-batches in flight) and the KV cache of one request at the full context; ``usable``: the
+    HBM share usable for them (``Efficiency.memory_usable``)."""
+
+    weights: float
+    activations: float
+    kv_one_request: float
+    usable: float
+    hbm: float
+
+    @property
+    def fits(self) -> bool:
+        return self.weights + self.activations + self.kv_one_request <= self.usable
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (
+            f"weights {self.weights / gb:.1f} GB + activations {self.activations / gb:.1f} GB + "
+            f"one {MAX_CONTEXT_TOKENS:,}-token request's KV {self.kv_one_request / gb:.1f} GB "
+            f"{'<=' if self.fits else '>'} {self.usable / gb:.1f} GB usable of "
+            f"{self.hbm / gb:.0f} GB HBM per GPU"
+        )
+
+
 class PerfModel:
     """Time model of one deployment unit (``dep``) of ``model`` on ``hw``.
 
@@ -289,6 +323,46 @@ class PerfModel:
             return float(self._kv_tokens_per_gpu)
         free = self.hw.hbm_gb * 1e9 * self.eff.memory_usable - self.weight_bytes_per_gpu
         return max(free, 0.0) / self.model.kv_bytes_per_token
+
+    def memory_use(self, max_context: int = MAX_CONTEXT_TOKENS) -> MemoryUse:
+        """What one GPU of this unit holds (:class:`MemoryUse`). Activations of one step: per
+        micro-batch of ``n`` tokens (prefill: ``dep.tokens_per_gpu``; decode:
+        :data:`DECODE_ACTIVATION_BATCH` requests), the residual and normalised hidden states (BF16),
+        MLA's expanded queries, keys and values (BF16), and for the ``r`` expert rows it receives
+        (``n`` x experts per token x the expert imbalance) the dispatch buffer (FP8 with scales),
+        the experts' gate/up output (BF16) and the combine buffer (BF16); plus FP32 logits of the
+        rows through the LM head (prefill: one per 4,096-token prompt; decode: every request)."""
+        m, mb = self.model, self.dep.micro_batches
+        n = float(
+            self.dep.tokens_per_gpu if self.dep.phase == "prefill" else DECODE_ACTIVATION_BATCH
+        )
+        nb = n / mb
+        rows = nb * m.experts_per_token * self.balance.imbalance
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        per_micro_batch = (
+            2 * nb * m.hidden * 2
+            + nb * m.num_heads * (2 * qk + m.v_head_dim) * 2
+            + rows
+            * (DISPATCH_BYTES_PER_TOKEN + 2 * m.moe_intermediate * 2 + COMBINE_BYTES_PER_TOKEN)
+        )
+        head_rows = n / 4096.0 if self.dep.phase == "prefill" else n
+        return MemoryUse(
+            weights=self.weight_bytes_per_gpu,
+            activations=mb * per_micro_batch + head_rows * m.vocab * 4,
+            kv_one_request=float(max_context * m.kv_bytes_per_token),
+            usable=self.hw.hbm_gb * 1e9 * self.eff.memory_usable,
+            hbm=self.hw.hbm_gb * 1e9,
+        )
+
+    def check_fits(self) -> None:
+        """Raise InputError naming what does not fit when this unit cannot hold its weights, a
+        step's activations and one full-context request per GPU."""
+        use = self.memory_use()
+        if not use.fits:
+            raise InputError(
+                f"a {self.dep.nodes}-node {self.dep.phase} unit ({self.dep.redundant_experts} "
+                f"redundant experts) on {self.hw.name} does not fit: {use.describe()}"
+            )
 
     # ---- primitives ------------------------------------------------------------------------
     def _gemm(self, flops, weight_bytes, sm_fraction: float = 1.0):

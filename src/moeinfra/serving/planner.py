@@ -51,6 +51,7 @@ class CapacityPlan:
     decode: SideOption
     options: list[SideOption]
     hours: float
+    unfit: tuple[str, ...] = ()  # candidates left out: they do not fit in HBM (why)
 
     @property
     def cost_usd(self) -> float:
@@ -69,6 +70,7 @@ class CapacityPlan:
                 "prefill": self.prefill.to_dict(),
                 "decode": self.decode.to_dict(),
                 "options": [o.to_dict() for o in self.options],
+                "unfit": list(self.unfit),
             }
         )
 
@@ -123,7 +125,7 @@ def plan_capacity(
     outputs = workload.output_tokens.astype(np.float64)
     hit = float(workload.cached_tokens.sum() / inputs.sum())
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / outputs.sum())
-    models = {}
+    models, unfit = {}, []
     effs = {
         phase: eff.scaled(k) for phase, k in zip(("prefill", "decode"), time_scale, strict=True)
     }
@@ -137,10 +139,16 @@ def plan_capacity(
                     effs[phase],
                     kv_tokens_per_gpu=kv,
                 )
-            except InputError:
+                models[(phase, nodes, red)].check_fits()
+            except InputError as err:
+                models.pop((phase, nodes, red), None)
+                unfit.append(str(err))
                 continue
     if not any(k[0] == "prefill" for k in models) or not any(k[0] == "decode" for k in models):
-        raise InputError("no valid prefill or decode candidate (slots must divide over GPUs)")
+        raise InputError(
+            "no valid prefill or decode candidate (slots must divide over GPUs and fit in HBM): "
+            + "; ".join(unfit)
+        )
     ref_p = next(m for k, m in models.items() if k[0] == "prefill")
     ref_d = next(m for k, m in models.items() if k[0] == "decode")
     options: list[SideOption] = []
@@ -182,7 +190,7 @@ def plan_capacity(
             raise InputError(
                 f"no {phase} candidate meets the SLO with up to max_units={max_units} units"
             )
-    return CapacityPlan(best["prefill"], best["decode"], options, hours)
+    return CapacityPlan(best["prefill"], best["decode"], options, hours, tuple(unfit))
 
 
 def _peak_rate_work(workload, perf: PerfModel, phase: str, hit: float, mean_kv: float) -> float:

@@ -259,6 +259,8 @@ def build_scenario(
         decode = calibration.perf_model(
             decode_dep or units.get("decode") or deepseek_decode_unit(), k_decode
         )
+    for unit in (prefill, decode):
+        unit.check_fits()
     if workload is None:
         if hours is not None and not 0 < hours <= 24:
             raise InputError(f"hours={hours} must be in (0, 24]")
