@@ -11,6 +11,7 @@ from moeinfra.serving.prefix_cache import PrefixCache
 from moeinfra.serving.workload import (
     DEEPSEEK_DAY_DEMAND,
     LengthModel,
+    Workload,
     deepseek_day,
     generate,
     read_trace,
@@ -201,3 +202,55 @@ def test_csv_azure_replay(tmp_path):
         bad_header = tmp_path / "h.csv"
         bad_header.write_text("a,b,c\n1,2,3\n")
         read_trace(bad_header)
+
+
+def test_a_workload_is_20_bytes_a_request_whatever_it_is_built_from():
+    """Struct of arrays: float64 arrival, int32 lengths; int64 input is narrowed, a length that
+    does not fit int32 is refused by name."""
+    w = Workload(
+        np.array([0.0, 1.5]), np.array([10, 20]), np.array([3, 4]), np.array([0, 16]), 1.0, 10.0
+    )
+    assert (w.arrival_s.dtype, w.input_tokens.dtype, w.output_tokens.dtype) == (
+        np.float64,
+        np.int32,
+        np.int32,
+    )
+    assert w.cached_tokens.tolist() == [0, 16]
+    assert (
+        sum(a.itemsize for a in (w.arrival_s, w.input_tokens, w.output_tokens, w.cached_tokens))
+        == 20
+    )
+    with pytest.raises(InputError, match=r"Workload.input_tokens must be in \[0, 2,147,483,647\]"):
+        Workload(np.array([0.0]), np.array([2**31]), np.array([1]), np.array([0]), 1.0, 1.0)
+    day = generate(requests_per_s_at_peak=5.0, hours=0.1)
+    assert day.input_tokens.dtype == np.int32 and day.cached_tokens.dtype == np.int32
+
+
+def test_the_day_generator_draws_lengths_and_hits_as_documented():
+    """The generator's rule, replayed by hand from the same random stream: Poisson counts per
+    hour, uniform arrivals in the hour, lognormal lengths rounded and clipped to the context, a
+    Beta share of the prompt rounded to whole 64-token blocks (leaving >= 1 token)."""
+    import math
+
+    lengths = LengthModel(mean_input=2000.0, mean_output=300.0)
+    got = generate(
+        requests_per_s_at_peak=3.0, demand=(1.0, 0.5), lengths=lengths, seed=7, hit_ratio=0.5
+    )
+    rng = np.random.default_rng(7)
+    counts = rng.poisson(3.0 * np.array([1.0, 0.5]) * 3600.0)
+    arrival = np.sort(np.repeat([0.0, 3600.0], counts) + rng.random(counts.sum()) * 3600.0)
+
+    def lognormal(mean, cv, n):
+        s2 = math.log1p(cv * cv)
+        return rng.lognormal(math.log(mean) - s2 / 2, math.sqrt(s2), n)
+
+    n = counts.sum()
+    inputs = np.clip(np.rint(lognormal(2000.0, 1.5, n)), 1, 131_071)
+    outputs = np.minimum(np.clip(np.rint(lognormal(300.0, 1.0, n)), 1, None), 131_072 - inputs)
+    share = rng.beta(0.5 * 2.0, 0.5 * 2.0, n)
+    blocks = np.rint(inputs * share / 64) * 64
+    cached = np.minimum(blocks, (inputs - 1) // 64 * 64)
+    np.testing.assert_array_equal(got.arrival_s, arrival)
+    np.testing.assert_array_equal(got.input_tokens, inputs)
+    np.testing.assert_array_equal(got.output_tokens, outputs)
+    np.testing.assert_array_equal(got.cached_tokens, cached)

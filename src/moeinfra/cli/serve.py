@@ -512,6 +512,94 @@ def plan_cmd(
         )
 
 
+@app.command("frontier")
+def frontier_cmd(
+    hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    kv: float = typer.Option(
+        4_989.0, "--kv", help="Mean KV length per output token (DeepSeek's day: 4,989)."
+    ),
+    nodes: str = typer.Option(
+        "1,2,4,8,16,18,32", "--nodes", help="Nodes per decode unit to try, comma-separated."
+    ),
+    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the frontier as JSON."),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Folder for frontier.json and frontier.png."
+    ),
+) -> None:
+    """Decode's Pareto frontier: output tokens/s per GPU against tokens/s per user over unit
+    shapes (nodes, micro-batches) and batch sizes, beside DeepSeek's published point."""
+    from moeinfra.serving.frontier import DEEPSEEK_DECODE_POINT, decode_frontier
+    from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
+    from moeinfra.serving.specs import DEEPSEEK_V3
+    from moeinfra.serving.specs import hardware as hardware_spec
+
+    parts = [p.strip() for p in nodes.split(",")]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise InputError(f"--nodes={nodes!r} must be whole numbers >= 1, comma-separated")
+    counts = [int(p) for p in parts]
+    check_positive(kv, "--kv")
+    if out is not None:
+        output_folder(out, "--out")
+    cal = _calibration(calibration)
+    if cal is None:
+        hw, model, eff, kv_cap = hardware_spec(hardware), DEEPSEEK_V3, DEFAULT_EFFICIENCY, None
+    else:
+        hw, model, eff, kv_cap = (
+            cal.hardware,
+            cal.model,
+            cal.efficiency(),
+            cal.kv_tokens_per_gpu,
+        )
+    front = decode_frontier(
+        hw, model, eff, mean_kv=kv, nodes=tuple(sorted(set(counts))), kv_tokens_per_gpu=kv_cap
+    )
+    speed = DEEPSEEK_DECODE_POINT["tokens_per_s_per_user"]
+    best = front.best_at(speed)
+    payload = front.to_dict() | {
+        "hardware": hw.name,
+        "calibration": _calibration_summary(cal),
+        "deepseek_published": DEEPSEEK_DECODE_POINT,
+        "best_at_deepseek_speed": None if best is None else best.to_dict(),
+    }
+    if out is not None:
+        from moeinfra.atomicio import write_text_atomic
+        from moeinfra.serving.figures import plot_frontier
+
+        write_text_atomic(out / "frontier.json", json.dumps(payload, indent=1))
+        plot_frontier(
+            front,
+            out / "frontier.png",
+            DEEPSEEK_DECODE_POINT if hw.name == "h800" and cal is None else None,
+            f"decode frontier on {hw.name}, mean KV {kv:,.0f} (calibration "
+            f"{'none' if cal is None else cal.name})",
+        )
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    table = Table(title=f"decode frontier on {hw.name} at mean KV {kv:,.0f} tokens")
+    for col in ("nodes", "micro-batches", "requests/GPU", "tokens/s per user", "tokens/s per GPU"):
+        table.add_column(col, justify="right")
+    for p in front.pareto[:: max(1, len(front.pareto) // 12)]:
+        table.add_row(
+            str(p.nodes),
+            str(p.micro_batches),
+            f"{p.batch_per_gpu:.1f}",
+            f"{p.tokens_per_s_per_user:.1f}",
+            f"{p.tokens_per_s_per_gpu:,.0f}",
+        )
+    console = Console()
+    console.print(table)
+    for reason in front.unfit:
+        console.print(f"left out: {reason}")
+    if best is not None:
+        console.print(
+            f"at {speed:g} tokens/s per user: {best.nodes}-node units, {best.batch_per_gpu:.0f} "
+            f"requests/GPU, {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (DeepSeek published "
+            f"{DEEPSEEK_DECODE_POINT['tokens_per_s_per_gpu']:,.0f} on 18-node H800 units)"
+        )
+
+
 @app.command("model")
 def model_cmd(
     phase: str = typer.Option("decode", "--phase", help="prefill or decode."),

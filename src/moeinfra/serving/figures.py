@@ -232,3 +232,49 @@ def plot_latency(result: SimulationResult, path: Path) -> Path:
     inter-token latency (per token): :func:`latency_figure` of ``result``, saved to ``path``."""
     fig = latency_figure(result.ttft_s, result.tpot_s, result.itl_edges_s, result.itl_tokens)
     return _save(fig, path)
+
+
+def plot_frontier(frontier, path: Path, published: dict | None = None, title: str = "") -> Path:
+    """:func:`frontier_figure`, written to ``path`` (PNG)."""
+    return _save(frontier_figure(frontier, published, title), path)
+
+
+def frontier_figure(frontier, published: dict | None = None, title: str = ""):
+    """Output tokens/s per GPU against tokens/s per user: one line per decode unit shape (its batch
+    growing to the left), the Pareto frontier in black, and ``published`` (a point) as a star."""
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    shapes = sorted({(p.nodes, p.micro_batches) for p in frontier.points})
+    for nodes, mb in shapes:
+        pts = [p for p in frontier.points if (p.nodes, p.micro_batches) == (nodes, mb)]
+        ax.plot(
+            [p.tokens_per_s_per_user for p in pts],
+            [p.tokens_per_s_per_gpu for p in pts],
+            lw=1.2,
+            ls="-" if mb == 2 else ":",
+            label=f"{nodes} node{'s' if nodes > 1 else ''} (EP{nodes * 8}), {mb} micro-batch"
+            + ("es" if mb > 1 else ""),
+        )
+    ax.plot(
+        [p.tokens_per_s_per_user for p in frontier.pareto],
+        [p.tokens_per_s_per_gpu for p in frontier.pareto],
+        color="black",
+        lw=2.5,
+        alpha=0.6,
+        label="frontier",
+    )
+    if published:
+        ax.plot(
+            published["tokens_per_s_per_user"],
+            published["tokens_per_s_per_gpu"],
+            marker="*",
+            ms=14,
+            color="crimson",
+            ls="none",
+            label="DeepSeek published (EP144, H800)",
+        )
+    ax.set_xlabel("output tokens/s per user")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(title or f"decode frontier at mean KV {frontier.mean_kv:,.0f} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    return fig

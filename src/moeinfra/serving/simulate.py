@@ -96,12 +96,13 @@ class SimulationResult:
 
     def requests(self) -> dict[str, float]:
         """Real-scale request counts; ``arrived == completed + running + rejected`` always."""
-        counts = np.bincount(self.status, minlength=3) * self.scale
+        completed, running = (int(np.count_nonzero(self.status == k)) for k in (COMPLETED, RUNNING))
+        rejected = self.status.size - completed - running
         return {
             "arrived": float(self.status.size * self.scale),
-            "completed": float(counts[COMPLETED]),
-            "running": float(counts[RUNNING]),
-            "rejected": float(counts[REJECTED]),
+            "completed": float(completed * self.scale),
+            "running": float(running * self.scale),
+            "rejected": float(rejected * self.scale),
             "sampled": int(self.status.size),
         }
 
@@ -125,21 +126,23 @@ class SimulationResult:
             r: float(c * self.scale) for r, c in zip(REJECT_REASONS, reasons, strict=True)
         }
         done = self.status == COMPLETED
-        for name, values in (
-            ("ttft_s", self.ttft_s[np.isfinite(self.ttft_s)]),
-            ("tpot_s", self.tpot_s[done & np.isfinite(self.tpot_s)]),
-        ):
-            out[name] = (
-                {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 95, 99)}
-                | {"mean": float(values.mean())}
-                if values.size
-                else {}
-            )
+        out["ttft_s"] = _percentiles(self.ttft_s[np.isfinite(self.ttft_s)])
+        out["tpot_s"] = _percentiles(self.tpot_s[done & np.isfinite(self.tpot_s)])
         out["itl_s"] = self.itl_percentiles()
         out["model"] = self.model
         if hourly:
             out["hourly"] = self.hourly
         return json_ready(out)
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    """p50/p90/p95/p99 and mean of ``values`` (a copy it may reorder: no second copy)."""
+    if not values.size:
+        return {}
+    mean = float(values.mean())
+    qs = (50, 90, 95, 99)
+    at = np.percentile(values, qs, overwrite_input=True)
+    return {f"p{q}": float(v) for q, v in zip(qs, at, strict=True)} | {"mean": mean}
 
 
 def json_ready(value):
@@ -189,28 +192,29 @@ def simulate(
     S = workload.scale
     duration = min(workload.duration_s, schedule.duration_s)
     n = workload.size
-    arrival = workload.arrival_s
-    inputs = workload.input_tokens.astype(np.float64)
-    cached = workload.cached_tokens.astype(np.float64)
-    outputs = workload.output_tokens.astype(np.float64)
+    # per request: 20 bytes of workload, 42 of state (docs/serving-model.md, section 4)
+    arrival, inputs, outputs = workload.arrival_s, workload.input_tokens, workload.output_tokens
     # ---- prefill cost per request (unit-seconds), from the performance model ----
     pc = prefill_cost(prefill, decode, workload, cfg.balancer)
-    work = pc.work_s * S  # a sampled request brings S requests' work to its unit
+    work = pc.work_s
+    work *= S  # a sampled request brings S requests' work to its unit
     imb = pc.imbalance
-    kv_transfer = inputs * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
+
+    def ready_s(idx):
+        """When the KV cache of requests ``idx`` has reached decode (first token + transfer)."""
+        transfer = inputs[idx] * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
+        return first_token[idx] + transfer
 
     # ---- state ----
     p_max, d_max = schedule.max_units
     queue = PrefillQueue(arrival, work, pc.min_latency_s, S, p_max, cfg.max_prefill_wait_s)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
-    status = np.full(n, RUNNING, dtype=np.int64)
-    reason = np.full(n, -1, dtype=np.int64)
-    ttft = np.full(n, np.nan)
+    status = np.full(n, RUNNING, dtype=np.int8)
+    reason = np.full(n, -1, dtype=np.int8)
     first_token = np.full(n, np.nan)
     finish_t = np.full(n, np.nan)
-    done_tokens = np.zeros(n)
+    tpot = np.full(n, np.nan)  # mean time per output token after the first, once finished
     pend = np.zeros(0, dtype=np.int64)  # waiting for a decode slot, by request index
-    ready = np.full(n, np.inf)
     # active decode set
     a_idx = np.zeros(0, dtype=np.int64)
     a_unit = np.zeros(0, dtype=np.int64)
@@ -227,6 +231,8 @@ def simulate(
     rec_putil = np.zeros((n_rec, p_max))
     hours = int(np.ceil(duration / 3600.0))
     out_hour = np.zeros(hours)
+    # sampled prompts, their input and cache-hit tokens by the hour of their first token
+    first_hour, in_hour, hit_hour = np.zeros(hours), np.zeros(hours), np.zeros(hours)
     kv_weighted = 0.0
     itl_edges = np.geomspace(1e-4, 100.0, 1201)  # 0.1 ms .. 100 s, 1.16% per bin
     itl_tokens = np.zeros(itl_edges.size - 1)
@@ -256,12 +262,13 @@ def simulate(
         status[refused] = REJECTED
         reason[refused] = 0
         np.add.at(work_done_rec, unit, work[idx])
-        ttft[idx] = fin - arrival[idx]
         first_token[idx] = fin
-        done_tokens[idx] = 1.0
-        ready[idx] = fin + kv_transfer[idx]
+        h = np.minimum(fin // 3600, hours - 1).astype(np.int64)
+        first_hour += np.bincount(h, minlength=hours)
+        in_hour += np.bincount(h, inputs[idx], hours)
+        hit_hour += np.bincount(h, workload.cached_tokens[idx], hours)
         if interrupt_s:
-            own = np.maximum(pc.work_s[idx], pc.min_latency_s[idx]) * slowdown
+            own = np.maximum(work[idx] / S, pc.min_latency_s[idx]) * slowdown
             prefill_edges = np.concatenate([prefill_edges, fin - own, fin])
         pend = np.concatenate([pend, idx])
         lo = max(lo, hi)
@@ -282,9 +289,12 @@ def simulate(
             decoding = np.bincount(a_unit, minlength=d_max)[:d_max] > 0
         # ---- decode admission ----
         if pend.size:
-            cand = pend[ready[pend] < t1]
+            ready = ready_s(pend)
+            cand = pend[ready < t1]
             if cand.size:
-                cand = cand[np.argsort(ready[cand], kind="stable")]
+                cand_ready = ready[ready < t1]
+                order = np.argsort(cand_ready, kind="stable")
+                cand, cand_ready = cand[order], cand_ready[order]
                 kv_now = np.bincount(a_unit, inputs[a_idx] + a_done, d_max) * S
                 levels = np.full(d_max, np.inf)
                 levels[:d_units] = kv_now[:d_units]
@@ -306,12 +316,12 @@ def simulate(
                 a_idx = np.concatenate([a_idx, admit])
                 a_unit = np.concatenate([a_unit, unit[fits]])
                 a_done = np.concatenate([a_done, np.ones(admit.size)])
-                a_from = np.concatenate([a_from, np.maximum(ready[admit], t0)])
+                a_from = np.concatenate([a_from, np.maximum(cand_ready[fits], t0)])
                 waiting = cand[~fits]
-                late = waiting[t1 - ready[waiting] > cfg.max_decode_wait_s]
+                late = waiting[t1 - cand_ready[~fits] > cfg.max_decode_wait_s]
                 status[late] = REJECTED
                 reason[late] = 1
-                gone = ready[pend] < t1
+                gone = ready < t1
                 gone[gone] = ~np.isin(pend[gone], waiting[~np.isin(waiting, late)])
                 pend = pend[~gone]
         # ---- decode step ----
@@ -367,7 +377,9 @@ def simulate(
                     + left * np.where(left > 0, step[a_unit[fin]], 0.0)
                 )
                 status[f_idx] = COMPLETED
-                done_tokens[f_idx] = outputs[f_idx]
+                many = outputs[f_idx] > 1
+                f_idx = f_idx[many]
+                tpot[f_idx] = (finish_t[f_idx] - first_token[f_idx]) / (outputs[f_idx] - 1)
             keep = ~fin
             a_idx, a_unit, a_from = a_idx[keep], a_unit[keep], np.full(keep.sum(), t1)
             a_done = (a_done + produced)[keep]
@@ -381,24 +393,29 @@ def simulate(
             work_done_rec[:] = 0.0
             if progress is not None:
                 progress(t1)
-    done_tokens[a_idx] = a_done
+    seconds_per_token = pc.seconds_per_token
+    del queue, work, pc  # their per-request arrays: 16 bytes a request
 
     # ---- accounting ----
-    prefilled = np.isfinite(first_token) & (first_token < end)
+    done_tokens = np.isfinite(first_token).astype(np.float32)  # the first token, from prefill
+    np.copyto(done_tokens, outputs, where=status == COMPLETED)
+    done_tokens[a_idx] = a_done
+    # first tokens past the end (queued prefills when the simulation stops) do not count
+    late = np.flatnonzero(first_token >= end)
+    h = np.minimum(first_token[late] // 3600, hours - 1).astype(np.int64)
+    first_hour -= np.bincount(h, minlength=hours)
+    in_hour -= np.bincount(h, inputs[late], hours)
+    hit_hour -= np.bincount(h, workload.cached_tokens[late], hours)
     n_rec = -(-int(np.ceil(end / cfg.tick_s)) // rec_every)
     rec_batch, rec_kv, rec_step, rec_putil = (
         x[:n_rec] for x in (rec_batch, rec_kv, rec_step, rec_putil)
     )
-    tpot = np.full(n, np.nan)
-    ok = (status == COMPLETED) & (outputs > 1)
-    tpot[ok] = (finish_t[ok] - first_token[ok]) / (outputs[ok] - 1)
-    in_hour = np.zeros(hours)
-    hit_hour = np.zeros(hours)
-    h_of = np.minimum((first_token[prefilled] // 3600).astype(np.int64), hours - 1)
-    in_hour += np.bincount(h_of, inputs[prefilled], hours) * S
-    hit_hour += np.bincount(h_of, cached[prefilled], hours) * S
+    ttft = first_token
+    ttft -= arrival
+    in_hour *= S
+    hit_hour *= S
     # first tokens come from prefill: count them as output of the prefill hour
-    out_hour += np.bincount(h_of, np.ones(h_of.size), hours) * S
+    out_hour += first_hour * S
     p_sec_h = np.zeros(hours)
     d_sec_h = np.zeros(hours)
     hourly = []
@@ -427,7 +444,8 @@ def simulate(
     cost = sum(h["cost_usd"] for h in hourly)
     revenue = sum(h["revenue_usd"] for h in hourly)
     out_total = float(out_hour.sum())
-    speed = 1.0 / tpot[np.isfinite(tpot)]
+    speed = tpot[np.isfinite(tpot)]
+    np.reciprocal(speed, out=speed)
     nodes_curve = schedule.nodes_at(np.arange(0.0, duration, 60.0))
     totals = {
         "hours": duration / 3600.0,
@@ -445,7 +463,9 @@ def simulate(
         "prefill_tokens_per_s_per_node": float(in_hour.sum() / max(p_total, 1e-9)),
         "decode_tokens_per_s_per_node": float(out_total / max(d_total, 1e-9)),
         "mean_output_tokens_per_s": float(speed.mean()) if speed.size else float("nan"),
-        "mean_kv_len_per_output_token": float(kv_weighted / max(out_total - h_of.size * S, 1.0)),
+        "mean_kv_len_per_output_token": float(
+            kv_weighted / max(out_total - first_hour.sum() * S, 1.0)
+        ),
         "sample_scale": S,
     }
     return SimulationResult(
@@ -467,7 +487,7 @@ def simulate(
         hourly=hourly,
         totals=totals,
         model={
-            "prefill_seconds_per_token": pc.seconds_per_token,
+            "prefill_seconds_per_token": seconds_per_token,
             "prefill_expert_imbalance": prefill.balance.imbalance,
             "decode_expert_imbalance": decode.balance.imbalance,
             "prefill_dp_imbalance": imb["prefill"],

@@ -46,11 +46,10 @@ def prefill_cost(
     """Service time of every request of ``workload`` on a ``prefill`` unit (``balancer``:
     ``"deepseek"`` or ``"baseline"`` inside the unit; ``decode`` supplies the decode DP factors)."""
     n = workload.size
-    inputs = workload.input_tokens.astype(np.float64)
-    cached = workload.cached_tokens.astype(np.float64)
-    computed = inputs - cached
-    mean_in = float(inputs.mean()) if n else 4096.0
-    hit = float(cached.sum() / max(inputs.sum(), 1.0)) if n else 0.0
+    inputs_sum = float(workload.input_tokens.sum(dtype=np.float64))
+    cached_sum = float(workload.cached_tokens.sum(dtype=np.float64))
+    mean_in = inputs_sum / n if n else 4096.0
+    hit = cached_sum / max(inputs_sum, 1.0) if n else 0.0
     s_per_token = prefill.prefill_seconds_per_token(hit, mean_in)
     nominal = prefill.prefill_breakdown(
         cached_per_token=hit / max(1 - hit, 1e-6),
@@ -59,20 +58,41 @@ def prefill_cost(
     )
     attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
     imb = dp_imbalance(prefill, decode, workload, balancer, attn_share)
-    keys = cached + computed / 2
-    mean_keys = float((computed * keys).sum() / max(computed.sum(), 1.0)) if n else 1.0
-    work = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
-    work *= imb["prefill"]
+    chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+    weighted = 0.0
+    for lo, hi in chunks:
+        computed, keys = _computed_and_keys(workload, lo, hi)
+        weighted += float((computed * keys).sum())
+    mean_keys = weighted / max(inputs_sum - cached_sum, 1.0) if n else 1.0
     grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
     grid_s = np.array(
         [prefill.prefill_breakdown(tokens_per_gpu=g, prompt_len=g).step_s for g in grid]
     )
-    per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
-    min_latency = np.interp(per_rank, grid, grid_s) * np.maximum(
-        1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
-    )
-    min_latency += prefill.eff.request_overhead_s
+    work, min_latency = np.empty(n), np.empty(n)
+    for lo, hi in chunks:  # a chunk at a time: a day's requests never hold float temporaries
+        computed, keys = _computed_and_keys(workload, lo, hi)
+        part = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
+        part *= imb["prefill"]
+        work[lo:hi] = part
+        per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)
+        part = np.interp(per_rank, grid, grid_s) * np.maximum(
+            1.0, computed / (prefill.dep.tokens_per_gpu * prefill.gpus)
+        )
+        part += prefill.eff.request_overhead_s
+        min_latency[lo:hi] = part
     return PrefillCost(work, min_latency, s_per_token, attn_share, imb)
+
+
+#: Requests per chunk of :func:`prefill_cost`'s per-request arithmetic.
+CHUNK = 1 << 18
+
+
+def _computed_and_keys(workload: Workload, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Uncached tokens of requests ``lo..hi-1`` and the mean keys each attends to (the cached
+    prefix plus the causal half of its own part)."""
+    cached = workload.cached_tokens[lo:hi].astype(np.float64)
+    computed = workload.input_tokens[lo:hi] - cached
+    return computed, cached + computed / 2
 
 
 def dp_imbalance(

@@ -35,19 +35,21 @@ PUBLISHED_KV_PER_OUTPUT_TOKEN = 4_989.0
 CACHE_BLOCK_TOKENS = 64
 #: DeepSeek-V3's served context (128K tokens): a request's prompt and answer must fit in it.
 MAX_CONTEXT_TOKENS = 131_072
+#: Largest token count a Workload holds (its lengths are int32).
+TOKENS_MAX = np.iinfo(np.int32).max
 #: Longest line of a trace file: a request is one short line; longer means not a trace.
 MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Sampled requests, sorted by arrival.
+    """Sampled requests, sorted by arrival, as a struct of arrays (20 bytes per request).
 
     Attributes:
-        arrival_s: ``[n]`` seconds from the start.
-        input_tokens: ``[n]`` int64 prompt tokens.
-        output_tokens: ``[n]`` int64 generated tokens.
-        cached_tokens: ``[n]`` int64 prompt prefix found in the KV cache (``< input_tokens``).
+        arrival_s: ``[n]`` float64 seconds from the start.
+        input_tokens: ``[n]`` int32 prompt tokens.
+        output_tokens: ``[n]`` int32 generated tokens.
+        cached_tokens: ``[n]`` int32 prompt prefix found in the KV cache (``< input_tokens``).
         scale: real requests each sampled request stands for (1 for a replayed trace).
         duration_s: length of the window the workload covers.
     """
@@ -61,10 +63,15 @@ class Workload:
     name: str = "workload"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "arrival_s", np.asarray(self.arrival_s, dtype=np.float64))
         n = self.arrival_s.size
         for field_name in ("input_tokens", "output_tokens", "cached_tokens"):
-            if getattr(self, field_name).shape != (n,):
+            values = np.asarray(getattr(self, field_name))
+            if values.shape != (n,):
                 raise InputError(f"Workload.{field_name} must have shape ({n},)")
+            if n and (values.max() > TOKENS_MAX or values.min() < 0):
+                raise InputError(f"Workload.{field_name} must be in [0, {TOKENS_MAX:,}]")
+            object.__setattr__(self, field_name, values.astype(np.int32, copy=False))
         if n and (np.any(np.diff(self.arrival_s) < 0)):
             raise InputError("Workload.arrival_s must be sorted")
         if n and (self.input_tokens.min() < 1 or self.output_tokens.min() < 1):
@@ -144,13 +151,16 @@ class LengthModel:
         return cls(input_output_ratio * m, m, input_cv, output_cv)
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_tokens [n], output_tokens [n])`` int64, each >= 1, sum <= max_context."""
+        """``(input_tokens [n], output_tokens [n])`` int32, each >= 1, sum <= max_context
+        (rounded and clipped in place: a day of millions of requests holds one float array at a
+        time)."""
         inputs = _lognormal(rng, self.mean_input, self.input_cv, n)
         outputs = _lognormal(rng, self.mean_output, self.output_cv, n)
-        inputs = np.clip(np.rint(inputs), 1, self.max_context - 1).astype(np.int64)
-        outputs = np.clip(np.rint(outputs), 1, None).astype(np.int64)
-        outputs = np.minimum(outputs, self.max_context - inputs)
-        return inputs, outputs
+        np.clip(np.rint(inputs, out=inputs), 1, self.max_context - 1, out=inputs)
+        inputs = inputs.astype(np.int32)
+        np.clip(np.rint(outputs, out=outputs), 1, None, out=outputs)
+        np.minimum(outputs, self.max_context - inputs, out=outputs)
+        return inputs, outputs.astype(np.int32)
 
 
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
@@ -167,10 +177,14 @@ def cached_prefix(
     if not 0.0 <= hit_ratio < 1.0:
         raise InputError(f"hit_ratio={hit_ratio} must be in [0, 1)")
     if hit_ratio == 0.0:
-        return np.zeros_like(inputs)
+        return np.zeros(inputs.size, dtype=np.int32)
     share = rng.beta(hit_ratio * concentration, (1 - hit_ratio) * concentration, inputs.size)
-    blocks = np.rint(inputs * share / CACHE_BLOCK_TOKENS).astype(np.int64) * CACHE_BLOCK_TOKENS
-    return np.minimum(blocks, (inputs - 1) // CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS)
+    share *= inputs
+    share /= CACHE_BLOCK_TOKENS
+    blocks = np.rint(share, out=share).astype(np.int32)
+    del share
+    blocks *= CACHE_BLOCK_TOKENS
+    return np.minimum(blocks, (inputs - 1) // CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS, out=blocks)
 
 
 def generate(
@@ -206,7 +220,9 @@ def generate(
     counts = rng.poisson(
         requests_per_s_at_peak * demand[np.arange(whole) % demand.size] * spans / scale
     )
-    arrival = np.repeat(starts, counts) + rng.random(counts.sum()) * np.repeat(spans, counts)
+    arrival = rng.random(counts.sum())
+    arrival *= np.repeat(spans, counts)
+    arrival += np.repeat(starts, counts)
     arrival.sort()
     inputs, outputs = lengths.sample(arrival.size, rng)
     cached = cached_prefix(inputs, hit_ratio, rng)
