@@ -521,6 +521,12 @@ def frontier_cmd(
     nodes: str = typer.Option(
         "1,2,4,8,16,18,32", "--nodes", help="Nodes per decode unit to try, comma-separated."
     ),
+    mtp: float = typer.Option(
+        0.0,
+        "--mtp",
+        help="Multi-token prediction accepting this share of drafts (DeepSeek-V3: 0.85-0.9); "
+        "0: off.",
+    ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the frontier as JSON."),
     out: Path | None = typer.Option(
@@ -539,6 +545,8 @@ def frontier_cmd(
         raise InputError(f"--nodes={nodes!r} must be whole numbers >= 1, comma-separated")
     counts = [int(p) for p in parts]
     check_positive(kv, "--kv")
+    if not 0.0 <= mtp < 1.0:
+        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
     if out is not None:
         output_folder(out, "--out")
     cal = _calibration(calibration)
@@ -552,7 +560,13 @@ def frontier_cmd(
             cal.kv_tokens_per_gpu,
         )
     front = decode_frontier(
-        hw, model, eff, mean_kv=kv, nodes=tuple(sorted(set(counts))), kv_tokens_per_gpu=kv_cap
+        hw,
+        model,
+        eff,
+        mean_kv=kv,
+        nodes=tuple(sorted(set(counts))),
+        kv_tokens_per_gpu=kv_cap,
+        mtp_acceptance=mtp,
     )
     speed = DEEPSEEK_DECODE_POINT["tokens_per_s_per_user"]
     best = front.best_at(speed)
@@ -571,8 +585,9 @@ def frontier_cmd(
             front,
             out / "frontier.png",
             DEEPSEEK_DECODE_POINT if hw.name == "h800" and cal is None else None,
-            f"decode frontier on {hw.name}, mean KV {kv:,.0f} (calibration "
-            f"{'none' if cal is None else cal.name})",
+            f"decode frontier on {hw.name}, mean KV {kv:,.0f}"
+            + (f", MTP {mtp:g}" if mtp else "")
+            + f" (calibration {'none' if cal is None else cal.name})",
         )
     if as_json:
         typer.echo(json.dumps(payload, indent=2))

@@ -7,11 +7,17 @@ each user ``1 / t`` tokens/s and each GPU ``b / t``. Each unit shape (nodes, red
 micro-batches) draws a curve as its batch grows, up to what its KV cache holds at the given mean
 KV length; the frontier is the set of (shape, batch) points no other point beats on both axes.
 Shapes whose GPUs cannot hold the model (:meth:`PerfModel.check_fits`) are left out, with why.
+
+With multi-token prediction (DeepSeek-V3's MTP module drafting one more token, accepted with
+probability ``a``; the V3 report measures 85-90%), every step verifies two tokens per request and
+yields ``1 + a`` on average: the step is modelled with two query tokens per request over the same
+KV (GEMMs, attention FLOPs, all-to-all and LM head double; the KV read does not) plus the MTP
+module as one more MoE layer, its weights and its KV cache included.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,6 +62,7 @@ class Frontier:
     pareto: tuple[FrontierPoint, ...]
     unfit: tuple[str, ...]
     mean_kv: float
+    mtp_acceptance: float = 0.0
 
     def best_at(self, tokens_per_s_per_user: float) -> FrontierPoint | None:
         """The frontier point with the most tokens/s per GPU at or above that per-user speed."""
@@ -65,6 +72,7 @@ class Frontier:
     def to_dict(self) -> dict:
         return {
             "mean_kv": self.mean_kv,
+            "mtp_acceptance": self.mtp_acceptance,
             "pareto": [p.to_dict() for p in self.pareto],
             "points": [p.to_dict() for p in self.points],
             "unfit": list(self.unfit),
@@ -91,14 +99,21 @@ def decode_frontier(
     micro_batches: tuple[int, ...] = (1, 2),
     batches: int = 48,
     kv_tokens_per_gpu: float | None = None,
+    mtp_acceptance: float = 0.0,
 ) -> Frontier:
     """The decode frontier at mean KV length ``mean_kv`` (DeepSeek's day: 4,989 tokens per output
     token) over ``nodes`` per unit (each with its fitting redundant experts) and ``micro_batches``,
-    each shape at ``batches`` batch sizes from 1 request per GPU to what its KV cache holds."""
+    each shape at ``batches`` batch sizes from 1 request per GPU to what its KV cache holds;
+    ``mtp_acceptance`` > 0: with multi-token prediction accepting that share of drafts."""
     if not (np.isfinite(mean_kv) and mean_kv > 0):
         raise InputError(f"mean_kv={mean_kv} must be a finite number > 0")
     if batches < 2:
         raise InputError(f"batches={batches} must be >= 2")
+    if not 0.0 <= mtp_acceptance < 1.0:
+        raise InputError(f"mtp_acceptance={mtp_acceptance} must be in [0, 1) (0: no MTP)")
+    queries = 2 if mtp_acceptance > 0 else 1
+    if queries == 2:  # the MTP module: one more MoE layer (weights, KV cache, compute)
+        model = replace(model, num_layers=model.num_layers + 1)
     points, unfit = [], []
     for n in nodes:
         redundant = fitting_redundant_experts(n, hw.gpus_per_node, model.num_routed_experts)
@@ -118,11 +133,22 @@ def decode_frontier(
                 )
                 continue
             batch = np.geomspace(1.0, most, batches)
-            step = np.asarray(perf.decode_step_s(batch, np.full(batches, mean_kv)))
+            step = np.asarray(perf.decode_step_s(batch, np.full(batches, mean_kv), queries=queries))
+            per_step = 1.0 + mtp_acceptance  # tokens a request gains per step
             points += [
-                FrontierPoint(n, redundant, mb, float(b), float(s), float(b / s), float(1 / s))
+                FrontierPoint(
+                    n,
+                    redundant,
+                    mb,
+                    float(b),
+                    float(s),
+                    float(b * per_step / s),
+                    float(per_step / s),
+                )
                 for b, s in zip(batch, step, strict=True)
             ]
     if not points:
         raise InputError("no decode unit shape fits: " + "; ".join(unfit))
-    return Frontier(tuple(points), tuple(pareto(points)), tuple(unfit), float(mean_kv))
+    return Frontier(
+        tuple(points), tuple(pareto(points)), tuple(unfit), float(mean_kv), mtp_acceptance
+    )

@@ -531,27 +531,39 @@ class PerfModel:
             "decode", batch_per_gpu, self.dep.micro_batches, *parts, head_tokens=batch_per_gpu
         )
 
-    def _decode_parts(self, b, kv):
+    def _decode_parts(self, b, kv, queries: int = 1):
+        """Per micro-batch parts of a decode step of ``b`` requests per GPU, each with ``queries``
+        new tokens (2 when a multi-token-prediction draft is verified) over its ``kv`` cached
+        keys: the GEMMs, the all-to-all and the attention FLOPs grow with the tokens, the KV read
+        does not."""
         m = self.model
         mb = self.dep.micro_batches
         nb = b / mb
-        log_nb = np.log2(np.maximum(nb, 1e-9))
+        tokens = nb * queries
+        log_tokens = np.log2(np.maximum(tokens, 1e-9))
         grid, attn_curve, shared_curve, routed_curve = self._decode_gemm_curves
-        attn_proj = np.interp(log_nb, grid, attn_curve)
+        attn_proj = np.interp(log_tokens, grid, attn_curve)
         kv_vals = m.kv_values_per_token_layer
         core = self._attention(
-            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * nb * kv, nb * kv * 2 * kv_vals
+            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * tokens * kv, nb * kv * 2 * kv_vals
         )
-        shared = np.interp(log_nb, grid, shared_curve)
-        routed = np.interp(log_nb, grid, routed_curve)
-        gate = self._gemm(2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts)
-        dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params)
-        dispatch, combine = self._a2a_low_latency(nb) if self.gpus > 1 else (0.0 * nb, 0.0 * nb)
+        shared = np.interp(log_tokens, grid, shared_curve)
+        routed = np.interp(log_tokens, grid, routed_curve)
+        gate = self._gemm(
+            2 * tokens * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts
+        )
+        dense = self._gemm(2 * tokens * m.dense_mlp_params, m.dense_mlp_params)
+        dispatch, combine = (
+            self._a2a_low_latency(tokens) if self.gpus > 1 else (0.0 * tokens, 0.0 * tokens)
+        )
         return attn_proj, core, shared, routed, gate, dense, dispatch, combine
 
-    def decode_step_s(self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0):
+    def decode_step_s(
+        self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0, queries=1
+    ):
         """Seconds of one decode step, vectorised: ``batch_per_gpu`` and ``mean_kv`` broadcast
-        (arrays ``[units]``); one output token per request per step.
+        (arrays ``[units]``); ``queries`` new tokens per request per step (1; 2 verifying a
+        multi-token-prediction draft).
 
         The step is paced by the slowest DP rank: it holds ``request_imbalance`` x the mean request
         count and ``kv_imbalance`` x the mean KV tokens (from the decode load balancer).
@@ -560,10 +572,12 @@ class PerfModel:
         kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
         m = self.model
         mb = self.dep.micro_batches
-        attn_proj, core, shared, routed, gate, dense, dispatch, combine = self._decode_parts(b, kv)
+        attn_proj, core, shared, routed, gate, dense, dispatch, combine = self._decode_parts(
+            b, kv, queries
+        )
         moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
         dense_layer = mb * (attn_proj + core + dense)
-        head = self._gemm(2 * b * m.hidden * m.vocab, m.hidden * m.vocab)
+        head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)
         layers = m.num_moe_layers * moe_layer + m.num_dense_layers * dense_layer
         return layers + head + self.eff.step_overhead_s
 
