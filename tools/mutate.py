@@ -109,6 +109,9 @@ TARGETS = {
             "test_balancers",
             "test_workload",
             "test_reproduction",
+            "test_uncertainty",
+            "test_memory_fit",
+            "test_frontier",
         ),
     ),
 }
