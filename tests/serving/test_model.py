@@ -113,6 +113,9 @@ def test_kv_capacity_positive_and_weights_fit(units):
 
 def test_cost_model_matches_published_arithmetic():
     assert fleet_cost_usd(5_442, 8, 2.0) == 87_072
+    # an idle hour costs nothing, a cheap GPU-hour is a price like any other
+    assert fleet_cost_usd(0.0, 8, 2.0) == 0.0
+    assert fleet_cost_usd(10.0, 8, 0.5) == 40.0
     rev = revenue_usd(342e9, 266e9, 168e9, R1_PRICES)
     assert rev == pytest.approx(562_027, rel=0.002)
     assert margin(562_027, 87_072) == pytest.approx(5.45, abs=0.01)

@@ -387,8 +387,8 @@ def test_decode_on_a_shared_host_loses_progress_while_a_prefill_computes():
     assert delay == pytest.approx(work * 0.5 / 1.5, abs=cfg.tick_s)
 
 
-@pytest.mark.slow  # 5 ms ticks over ~70 simulated seconds, four times: ~2 s
 def test_a_prefill_on_a_shared_host_slows_decode_by_the_contention_factor():
+    # 5 ms ticks over ~70 simulated seconds, four times: ~2 s
     """Units sharing a host's cores (a live CPU calibration): while the prefill unit computes a
     prompt for W seconds, a decode step takes (1 + c) times as long, so a request decoding
     throughout loses W * c / (1 + c) seconds of progress; a prefill with decode running takes
@@ -463,3 +463,60 @@ def test_a_lone_request_paces_its_unit_as_one_request_on_one_rank():
         np.full(kv.size, 1.0 / DECODE.gpus), kv, imb["decode_requests"], imb["decode_kv"]
     )
     assert res.tpot_s[0] > 1.003 * spread.mean()  # the old pace: 1/144 of a request per rank
+
+
+def test_a_prefill_slows_by_the_share_of_decode_units_that_decode():
+    """Prefill contention: the slowdown is 1 + c x (decode units with requests / decode units);
+    with one of two decode units busy, half of c."""
+    from dataclasses import replace
+
+    from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
+    from moeinfra.serving.unit_cost import prefill_cost
+
+    w = Workload(
+        np.array([0.0, 5.0]), np.array([100, 100_000]), np.array([400, 1]), np.zeros(2), 1.0, 60.0
+    )
+    cfg = SimConfig(tick_s=0.005, drain_s=600.0)
+    eff = replace(DEFAULT_EFFICIENCY, prefill_contention=0.4)
+    both = simulate(
+        w, constant_schedule(1, 2, 60.0), PerfModel(PREFILL.dep, HW, eff=eff), DECODE, cfg
+    )
+    pc = prefill_cost(PREFILL, DECODE, w, cfg.balancer)
+    own = max(pc.work_s[1], pc.min_latency_s[1])
+    assert both.ttft_s[1] == pytest.approx(own * (1 + 0.4 * 1 / 2), rel=1e-9)
+
+
+def test_schedule_and_units_must_agree_on_each_side():
+    w = Workload(np.array([0.0]), np.array([100]), np.array([10]), np.zeros(1), 1.0, 60.0)
+    for p_nodes, d_nodes in ((2, 18), (4, 9)):
+        with pytest.raises(InputError, match="do not match the deployments"):
+            simulate(w, constant_schedule(1, 1, 60.0, p_nodes, d_nodes), PREFILL, DECODE)
+
+
+def test_mean_kv_per_output_token_of_one_request_by_hand():
+    """A request of I prompt tokens decoding tokens 2..O (the first comes from prefill) attends to
+    I + x keys at its x-th output token: the mean over its decoded tokens is I + (O + 1) / 2."""
+    w = Workload(np.array([0.0]), np.array([3000]), np.array([101]), np.zeros(1), 1.0, 60.0)
+    res = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, SimConfig(drain_s=600.0))
+    assert res.status[0] == COMPLETED
+    assert res.totals["mean_kv_len_per_output_token"] == pytest.approx(3000 + 102 / 2, rel=1e-12)
+
+
+def test_the_result_names_its_fields_and_bins_inter_token_latency_as_documented():
+    w = Workload(
+        np.array([0.0, 1.0]), np.array([500, 800]), np.array([40, 60]), np.zeros(2), 3.0, 60.0
+    )
+    res = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, SimConfig(drain_s=600.0))
+    assert res.requests() == {
+        "arrived": 6.0, "completed": 6.0, "running": 0.0, "rejected": 0.0, "sampled": 2
+    }  # fmt: skip
+    out = res.to_dict()
+    assert {"requests", "rejected_by_reason", "ttft_s", "tpot_s", "itl_s", "model"} <= set(out)
+    assert out["hourly"] == res.hourly and len(out["hourly"]) == 1
+    assert "hourly" not in res.to_dict(hourly=False)
+    # 0.1 ms .. 100 s in 1,200 bins of 1.16% each
+    edges = res.itl_edges_s
+    assert (edges.size, edges[0], edges[-1]) == (1201, 1e-4, pytest.approx(100.0))
+    np.testing.assert_allclose(edges[1:] / edges[:-1], 1e6 ** (1 / 1200), rtol=1e-12)
+    # every decoded token's latency is a decode step of 10-100 ms: its bin's upper edge
+    assert 0.01 < out["itl_s"]["p50"] < 0.1 and out["itl_s"]["p50"] in edges
