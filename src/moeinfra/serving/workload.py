@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -322,7 +323,8 @@ def read_trace(
     than :data:`MAX_LINE_BYTES` is an error (the file is not a trace).
     """
     path = Path(path)
-    rows: list[tuple[float, int, int, int]] = []
+    # growing C arrays, 16 bytes a request (not a Python tuple each)
+    times, ins, outs = array("d"), array("i"), array("i")
     bad = 0
     has_hashes = False
     blocks: dict[int, list] = {}  # row -> its prompt's hash_ids
@@ -371,8 +373,10 @@ def read_trace(
                     continue
                 if hashes is not None:
                     has_hashes = True
-                    blocks[len(rows)] = hashes
-                rows.append((t, n_in, n_out, 0))
+                    blocks[len(times)] = hashes
+                times.append(t)
+                ins.append(n_in)
+                outs.append(n_out)
     elif suffix == ".csv":
         unit = 1.0 if time_unit_s is None else time_unit_s
         with path.open("rb") as handle:
@@ -405,27 +409,29 @@ def read_trace(
                     continue
                 if not lengths_fit(line_no, n_in, n_out, ("input_tokens", "output_tokens")):
                     continue
-                rows.append((t, n_in, n_out, 0))
+                times.append(t)
+                ins.append(n_in)
+                outs.append(n_out)
     else:
         raise InputError(f"trace {str(path)!r} must end in .jsonl or .csv")
-    if not rows:
+    if not times:
         raise InputError(f"trace {str(path)!r} holds no valid request")
-    data = np.array(rows, dtype=np.float64)
-    order = np.argsort(data[:, 0], kind="stable")
-    data = data[order]
+    order = np.argsort(np.frombuffer(times, dtype=np.float64), kind="stable")
+    arrival = np.frombuffer(times, dtype=np.float64)[order]
+    inputs = np.frombuffer(ins, dtype=np.int32)[order]
+    outputs = np.frombuffer(outs, dtype=np.int32)[order]
+    cached = np.zeros(inputs.size, dtype=np.int32)
     if has_hashes:
         cache = PrefixCache(hash_block_tokens)
         for i, row in enumerate(order.tolist()):
             if row in blocks:
-                n_in, n_out = int(data[i, 1]), int(data[i, 2])
-                data[i, 3] = min(cache.serve(blocks[row], n_in, n_out), n_in - 1)
-    arrival = data[:, 0] - data[0, 0]
-    inputs = data[:, 1].astype(np.int64)
-    cached = data[:, 3].astype(np.int64)
+                n_in, n_out = int(inputs[i]), int(outputs[i])
+                cached[i] = min(cache.serve(blocks[row], n_in, n_out), n_in - 1)
+    arrival -= arrival[0]
     if not has_hashes and hit_ratio > 0:
         cached = cached_prefix(inputs, hit_ratio, np.random.default_rng(seed))
     duration = float(arrival[-1]) + 1.0
     return (
-        Workload(arrival, inputs, data[:, 2].astype(np.int64), cached, 1.0, duration, path.stem),
+        Workload(arrival, inputs, outputs, cached, 1.0, duration, path.stem),
         bad,
     )
