@@ -238,8 +238,8 @@ def simulate_cmd(
     from moeinfra.serving.scenario import PUBLISHED, build_scenario, published_vs_simulated
     from moeinfra.serving.simulate import SimConfig
     from moeinfra.serving.uncertainty import (
-        METHOD,
         has_spread,
+        range_method,
         ranges,
         simulate_figures,
         step_time_bounds,
@@ -294,42 +294,32 @@ def simulate_cmd(
         drain_s=3600.0 if drain and workload is not None else 0.0,
     )
     with tqdm(total=total_h * runs, unit="h", desc="simulated", disable=not show) as bar:
-        done = [0.0]
 
-        def run(scn):
-            last = [0.0]
-
+        def run(scn, done_h: float):
             def progress(t_s: float) -> None:
-                step = min(round(t_s / 3600.0, 2), total_h) - last[0]
-                if step > 0:
-                    bar.update(step)
-                    last[0] += step
+                bar.n = round(done_h + min(t_s / 3600.0, total_h), 2)
+                bar.refresh()
 
-            out = scn.run(config, progress=progress)
-            done[0] += total_h
-            bar.n = done[0]
-            bar.refresh()
-            return out
+            return scn.run(config, progress=progress)
 
-        result = run(built)
+        result = run(built, 0.0)
         payload = result.to_dict()
         point = simulate_figures(payload)
         bound_figures = [
             simulate_figures(
-                run(build_scenario(scenario, **scenario_args, time_scale=bounds[side])).to_dict()
+                run(
+                    build_scenario(scenario, **scenario_args, time_scale=bounds[side]),
+                    total_h * (k + 1),
+                ).to_dict()
             )
-            for side in ("fast", "slow")
+            for k, side in enumerate(("fast", "slow"))
             if runs == 3
         ]
     payload["scenario"] = scenario
     payload["hardware"] = built.prefill.hw.name
     payload["calibration"] = _calibration_summary(cal)
     payload["ranges"] = None if cal is None else ranges(point, *bound_figures)
-    payload["range_method"] = (
-        "none: the first-principles model has no residuals (pass --calibration)"
-        if cal is None
-        else METHOD + ("" if runs == 3 else "; this calibration fits its points exactly: no spread")
-    )
+    payload["range_method"] = range_method(cal is not None, runs == 3)
     payload["step_time_bounds"] = bounds or None
     payload["workload"] = str(workload) if workload else built.workload.name
     if workload is not None:
@@ -441,9 +431,9 @@ def plan_cmd(
     from moeinfra.serving.planner import plan_capacity
     from moeinfra.serving.specs import priced_hardware
     from moeinfra.serving.uncertainty import (
-        METHOD,
         has_spread,
         plan_figures,
+        range_method,
         ranges,
         step_time_bounds,
     )
@@ -468,11 +458,8 @@ def plan_cmd(
     payload = result.to_dict() | {
         "calibration": _calibration_summary(cal),
         "ranges": None if cal is None else ranges(plan_figures(result), *bound_figures),
-        "range_method": "none: the first-principles model has no residuals (pass --calibration)"
-        if cal is None
-        else METHOD
-        + ("" if bound_figures else "; this calibration fits its points exactly: no spread")
-        + "; null: at that bound no candidate meets the SLOs",
+        "range_method": range_method(cal is not None, bool(bound_figures))
+        + ("" if cal is None else "; null: at that bound no candidate meets the SLOs"),
         "step_time_bounds": bounds or None,
     }
     if as_json:

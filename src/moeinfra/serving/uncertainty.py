@@ -33,6 +33,13 @@ METHOD = (
 )
 
 
+def range_method(calibrated: bool, spread: bool) -> str:
+    """What a payload's ``range_method`` says: the method, or why there is no range."""
+    if not calibrated:
+        return "none: the first-principles model has no residuals (pass --calibration)"
+    return METHOD + ("" if spread else "; this calibration fits its points exactly: no spread")
+
+
 def step_time_bounds(calibration: Calibration) -> dict[str, tuple[float, float]]:
     """``{"fast": (prefill, decode), "slow": (prefill, decode)}`` step-time multipliers."""
     spans = [calibration.measured_over_predicted(phase) for phase in PHASES]
