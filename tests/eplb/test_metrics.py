@@ -84,3 +84,22 @@ def test_load_shape_must_match_plan():
     plan = rebalance(np.ones((2, 12)), 16, 4, 2, 8)
     with pytest.raises(ValueError, match="does not match"):
         evaluate(plan, np.ones((3, 12)))
+
+
+def test_gpus_per_token_counts_distinct_gpus_as_nodes_per_token_counts_nodes():
+    # 4 equally loaded experts, one per GPU, 2 GPUs per node, one group, 2 experts per token:
+    # a GPU is reached with probability 1 - (3/4)^2, a node with 1 - (1/2)^2
+    load = np.ones((1, 4))
+    plan = make_plan(np.array([[0, 1, 2, 3]]), load, check_layout(4, 4, 1, 2, 4), "hand")
+    ev = evaluate(plan, load, groups_per_token=1, experts_per_token=2)
+    assert ev.gpus_per_token[0] == pytest.approx(4 * (1 - 0.75**2))
+    assert ev.nodes_per_token[0] == pytest.approx(2 * (1 - 0.5**2))
+    assert ev.summary()["gpus_per_token"] == pytest.approx(1.75)
+
+
+def test_gpus_per_token_is_nodes_per_token_with_one_gpu_per_node(v3_loads):
+    load = v3_loads[("zipf", 1)]
+    ev = evaluate(rebalance(load, 288, 8, 8, 8), load)
+    assert ev.gpus_per_token == pytest.approx(ev.nodes_per_token)
+    wide = evaluate(rebalance(load, **PREFILL), load)
+    assert (wide.gpus_per_token >= wide.nodes_per_token).all()

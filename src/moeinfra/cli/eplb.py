@@ -28,6 +28,7 @@ _SUMMARY_ROWS = [
     ("duplicates", "duplicate replicas on one GPU", "{}"),
     ("remote_pair_fraction", "token-expert pairs leaving their node", "{:.3f}"),
     ("nodes_per_token", "nodes a token is sent to", "{:.3f}"),
+    ("gpus_per_token", "GPUs a token is sent to", "{:.3f}"),
 ]
 
 

@@ -26,6 +26,8 @@ Traffic model (tokens originate evenly on all nodes, as with data-parallel atten
   ``load[e] / load_g``, served by one of its replicas chosen evenly. With ``a_gn`` the share of group
   ``g``'s load served on node ``n``, ``P(n reached) = 1 - prod_g (1 - pi_g (1 - (1 - a_gn)^m))`` and
   ``nodes_per_token = sum_n P(n reached)``. Selections are treated as independent (an approximation).
+* ``gpus_per_token``: the same with GPUs in place of nodes — the distinct GPUs a token's rows land
+  on, which is what crosses NVLink inside the destination nodes.
 """
 
 from __future__ import annotations
@@ -77,20 +79,21 @@ def nodes_per_token(
     layout: Layout,
     groups_per_token: int,
     experts_per_token: int,
+    *,
+    per_gpu: bool = False,
 ) -> np.ndarray:
-    """``[L]`` expected distinct destination nodes per token under group-limited routing (see module doc)."""
+    """``[L]`` expected distinct destination nodes (``per_gpu``: GPUs) per token under
+    group-limited routing (see module doc)."""
     num_layers, num_replicas = phy2log.shape
-    slots_per_node = num_replicas // layout.num_nodes
-    slot_node = np.arange(num_replicas) // slots_per_node
+    places = layout.num_gpus if per_gpu else layout.num_nodes
+    slot_place = np.arange(num_replicas) // (num_replicas // places)
     slot_group = phy2log // layout.experts_per_group
-    cell = (
-        np.arange(num_layers)[:, None] * layout.num_groups + slot_group
-    ) * layout.num_nodes + slot_node
+    cell = (np.arange(num_layers)[:, None] * layout.num_groups + slot_group) * places + slot_place
     served = np.bincount(
         cell.ravel(),
         weights=slot_load.ravel(),
-        minlength=num_layers * layout.num_groups * layout.num_nodes,
-    ).reshape(num_layers, layout.num_groups, layout.num_nodes)
+        minlength=num_layers * layout.num_groups * places,
+    ).reshape(num_layers, layout.num_groups, places)
     return fanout(served, groups_per_token, experts_per_token)
 
 
@@ -104,7 +107,7 @@ class Evaluation:
         balancedness: mean / max GPU load (1 = perfect), as vLLM and SGLang report it.
         max_over_mean: max / mean GPU load. lower_bound: see module doc. gap: max / bound - 1.
         duplicates: slots holding a second (third, ...) copy of an expert on the same GPU.
-        remote_pair_fraction, nodes_per_token: traffic model, see module doc.
+        remote_pair_fraction, nodes_per_token, gpus_per_token: traffic model, see module doc.
     """
 
     gpu_load: np.ndarray
@@ -118,6 +121,7 @@ class Evaluation:
     duplicates: np.ndarray
     remote_pair_fraction: np.ndarray
     nodes_per_token: np.ndarray
+    gpus_per_token: np.ndarray
 
     def summary(self) -> dict[str, float]:
         """Whole-model figures: balancedness = sum of means / sum of maxima over layers, others averaged."""
@@ -134,6 +138,7 @@ class Evaluation:
             "duplicates": int(self.duplicates.sum()),
             "remote_pair_fraction": float(self.remote_pair_fraction.mean()),
             "nodes_per_token": float(self.nodes_per_token.mean()),
+            "gpus_per_token": float(self.gpus_per_token.mean()),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,6 +155,7 @@ class Evaluation:
                 "duplicates",
                 "remote_pair_fraction",
                 "nodes_per_token",
+                "gpus_per_token",
             )
         }
         return {
@@ -206,5 +212,8 @@ def evaluate(
         remote_pair_fraction=remote,
         nodes_per_token=nodes_per_token(
             slots, plan.phy2log, lay, groups_per_token, experts_per_token
+        ),
+        gpus_per_token=nodes_per_token(
+            slots, plan.phy2log, lay, groups_per_token, experts_per_token, per_gpu=True
         ),
     )
