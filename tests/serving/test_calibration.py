@@ -23,10 +23,12 @@ from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY
 from moeinfra.serving.specs import DEEPSEEK_V3, HARDWARE
 
 H800 = HARDWARE["h800"]
+# comm_time is kept low enough that prefill's combine does not hide the attention it overlaps
+# (with it hidden, step times say nothing of attention_time and no fit can recover it)
 TRUE = {
     "gemm_time": 1.4,
     "attention_time": 1.2,
-    "comm_time": 1.6,
+    "comm_time": 1.3,
     "comm_launch_s": 40e-6,
     "step_overhead_s": 6e-3,
 }
@@ -258,13 +260,13 @@ def test_a_shipped_calibration_is_its_measurements_fitted(name):
 
 def test_shipped_calibrations_carry_across_systems_within_the_documented_bands():
     """docs/serving-model.md, "Calibrations": fitted on DeepSeek's H800 profiles, SGLang's H100
-    points are predicted 15-20% fast; fitted on SGLang's, DeepSeek's 26% slow. The
-    first-principles model is 17-40% fast on both."""
+    points are predicted 9-20% fast; fitted on SGLang's, DeepSeek's 25% (prefill) and 47%
+    (decode) slow. The first-principles model is 17-37% fast on both."""
     deepseek, sglang = load_calibration("deepseek-h800"), load_calibration("sglang-h100")
     to_sglang = deepseek.errors_on(sglang)
     to_deepseek = sglang.errors_on(deepseek)
     assert -0.22 <= to_sglang["bias"] <= -0.12 and to_sglang["max_abs"] <= 0.22
-    assert 0.22 <= to_deepseek["bias"] <= 0.30 and to_deepseek["max_abs"] <= 0.30
+    assert 0.30 <= to_deepseek["bias"] <= 0.40 and to_deepseek["max_abs"] <= 0.50
     for cal in (deepseek, sglang):
         points = cal.fit_points
         first_principles = predict_seconds(points, cal.hardware, cal.model, DEFAULT_EFFICIENCY)

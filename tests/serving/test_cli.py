@@ -144,6 +144,7 @@ def test_bad_options_are_one_line_errors(args, message):
         (["--batch", "nan"], "error: --batch=nan must be a finite number > 0"),
         (["--batch", "inf"], "error: --batch=inf must be a finite number > 0"),
         (["--kv", "-1"], "error: --kv=-1.0 must be a finite number >= 0"),
+        (["--micro-batches", "3"], "error: --micro-batches=3 must be 1 or 2"),
     ],
 )
 def test_model_refuses_what_it_cannot_model(args, message):
@@ -287,3 +288,21 @@ def test_model_with_a_shipped_calibration_names_it_and_its_source():
     missing = cli("model", "--calibration", "sglang-h200")
     assert missing.returncode == 2
     assert "allowed: none, deepseek-h800, sglang-h100 or a file" in missing.stderr
+
+
+def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
+    """A 3-node prefill unit's all-to-all is NVLink-bound on H800 and RDMA-bound on H100: hidden
+    behind computation with two micro-batches, it shows with one (docs/serving-model.md)."""
+
+    def step_ms(hardware, micro_batches):
+        result = cli(
+            "model", "--phase", "prefill", "--nodes", "3", "--hardware", hardware,
+            "--micro-batches", str(micro_batches), "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        payload = json.loads(result.stdout)
+        assert payload["micro_batches"] == micro_batches
+        return payload["step_ms"]
+
+    assert step_ms("h100", 2) == pytest.approx(step_ms("h800", 2))
+    assert step_ms("h100", 1) == pytest.approx(step_ms("h800", 1) * 0.94, rel=0.02)

@@ -89,7 +89,7 @@ def test_bounds_are_the_extreme_measured_over_predicted_ratios_of_each_phase():
     # a calibration with as many points as factors fits them exactly: no spread
     exact = step_time_bounds(load_calibration("deepseek-h800"))
     assert not has_spread(exact)
-    assert exact["fast"] == pytest.approx((1.0, 1.0), abs=1e-12)
+    assert exact["fast"] == pytest.approx((1.0, 1.0), abs=1e-9)
     # a phase without points does not move
     only_decode = replace(
         cal,

@@ -619,6 +619,11 @@ def model_cmd(
     prompt_len: float = typer.Option(
         4096.0, "--prompt-len", help="Prefill prompt length (tokens): attention and LM-head rows."
     ),
+    micro_batches: int | None = typer.Option(
+        None,
+        "--micro-batches",
+        help="2: dual micro-batch overlap (DeepSeek's, the default); 1: no overlap.",
+    ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -637,6 +642,8 @@ def model_cmd(
         raise InputError(f"--redundant-experts={redundant} must be >= 0")
     if tokens_per_gpu < 1:
         raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
+    if micro_batches not in (None, 1, 2):
+        raise InputError(f"--micro-batches={micro_batches} must be 1 or 2")
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
     cal = _calibration(calibration)
@@ -647,12 +654,16 @@ def model_cmd(
         redundant = fitting_redundant_experts(
             unit_nodes, hw_used.gpus_per_node, model.num_routed_experts
         )
-    dep = Deployment(phase, unit_nodes, redundant, tokens_per_gpu=tokens_per_gpu)
+    dep = Deployment(
+        phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
+    )
     if cal is None:
         perf = PerfModel(dep, hw_spec)
     else:
         if nodes is None and phase in cal.units:
             dep = cal.units[phase]
+        if micro_batches is not None:
+            dep = dep.with_(micro_batches=micro_batches)
         perf = cal.perf_model(dep)
         hardware = cal.hardware.name
     perf.check_fits()
@@ -671,6 +682,7 @@ def model_cmd(
         "calibration": _calibration_summary(cal),
         "nodes": dep.nodes,
         "gpus": perf.gpus,
+        "micro_batches": dep.micro_batches,
         "step_ms": b.step_s * 1e3,
         "head_ms": b.head_s * 1e3,
         "overhead_ms": b.overhead_s * 1e3,

@@ -17,6 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from moeinfra.errors import InputError
+from moeinfra.serving.deepep import derived_efficiency, normal_seconds_per_row
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
@@ -85,8 +86,9 @@ class Efficiency:
     memory: FlashMLA 3,000 of 3,350 GB/s -> 0.896 (all HBM-bound reads).
     nvlink: DeepEP intranode 153 of 160 GB/s -> 0.956.
     prefill_compute_sms: 108 of 132 SMs compute while 24 run the all-to-all (prefill only).
-    rdma_normal_gb_per_s: DeepEP normal kernels' RDMA bottleneck bandwidth by EP degree
-        (dispatch, combine), GB/s, on a 50 GB/s NIC; scaled by the NIC speed for other hardware.
+    rdma_normal / nvlink_normal: (dispatch, combine) shares of the NIC's and of NVLink's bandwidth
+        DeepEP's normal kernels achieve across nodes, derived from DeepEP's published H800 figures
+        (:mod:`moeinfra.serving.deepep`); a kernel takes the longer of its RDMA and NVLink stages.
     ll_latency_us_128: DeepEP low-latency kernels (dispatch, combine) for 128 tokens by EP degree;
         scaled by NIC speed.
     ll_fixed_share: (dispatch, combine) share of the 128-token low-latency time that does not shrink
@@ -124,9 +126,8 @@ class Efficiency:
     memory: float = 3000.0 / 3350.0
     nvlink: float = 153.0 / 160.0
     prefill_compute_sms: float = 108.0 / 132.0
-    rdma_normal_gb_per_s: dict[int, tuple[float, float]] = field(
-        default_factory=lambda: {16: (43.0, 43.0), 32: (58.0, 57.0), 64: (51.0, 50.0)}
-    )
+    rdma_normal: tuple[float, float] = field(default_factory=lambda: derived_efficiency()[0])
+    nvlink_normal: tuple[float, float] = field(default_factory=lambda: derived_efficiency()[1])
     ll_latency_us_128: dict[int, tuple[float, float]] = field(
         default_factory=lambda: {
             8: (77.0, 114.0),
@@ -292,10 +293,23 @@ class PerfModel:
                 np.array([table[m] for m in rows]) / H800_FP8_TFLOPS * hw.fp8_tflops * 1e12,
             )
         nic = hw.rdma_gb_per_s / 50.0  # the published kernel figures are for 50 GB/s NICs
-        normal, low_latency = eff.rdma_normal_gb_per_s, eff.ll_latency_us_128
-        # (dispatch, combine) RDMA bandwidth in bytes/s and low-latency seconds for 128 tokens
-        self._rdma_bw = tuple(
-            _interp_ep({k: v[i] for k, v in normal.items()}, self.gpus) * 1e9 * nic for i in (0, 1)
+        low_latency = eff.ll_latency_us_128
+        # (dispatch, combine) normal-kernel seconds per row across nodes, low-latency seconds
+        # for 128 tokens
+        self._normal_s_per_row = tuple(
+            normal_seconds_per_row(
+                dep.nodes,
+                self.balance.nodes_per_token,
+                self.balance.gpus_per_token,
+                row_bytes,
+                hw.rdma_gb_per_s,
+                hw.nvlink_gb_per_s,
+                eff.rdma_normal[i],
+                eff.nvlink_normal[i],
+            )
+            if dep.nodes > 1
+            else 0.0
+            for i, row_bytes in enumerate((DISPATCH_BYTES_PER_TOKEN, COMBINE_BYTES_PER_TOKEN))
         )
         self._ll_128 = tuple(
             _interp_ep({k: v[i] for k, v in low_latency.items()}, self.gpus) * 1e-6 / nic
@@ -430,12 +444,8 @@ class PerfModel:
                 tokens * DISPATCH_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
                 tokens * COMBINE_BYTES_PER_TOKEN * dests / bw + self.eff.comm_launch_s,
             )
-        remote = self.balance.nodes_per_token * (1 - 1 / dep.nodes)
-        recv = tokens * remote * self.balance.imbalance * self.eff.comm_time
-        return (
-            recv * DISPATCH_BYTES_PER_TOKEN / self._rdma_bw[0] + self.eff.comm_launch_s,
-            recv * COMBINE_BYTES_PER_TOKEN / self._rdma_bw[1] + self.eff.comm_launch_s,
-        )
+        rows = tokens * self.balance.imbalance * self.eff.comm_time
+        return tuple(rows * self._normal_s_per_row[i] + self.eff.comm_launch_s for i in (0, 1))
 
     def _a2a_low_latency(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP low-latency kernels."""

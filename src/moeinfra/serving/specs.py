@@ -232,12 +232,14 @@ class ExpertBalance:
     """Expert imbalance of a deployment under EPLB, computed once per deployment.
 
     ``imbalance`` = heaviest GPU's routed-expert load / mean (averaged over MoE layers) — the factor
-    on the routed-expert part of the MoE cost. ``nodes_per_token``: nodes a token's experts sit on.
+    on the routed-expert part of the MoE cost. ``nodes_per_token`` / ``gpus_per_token``: distinct
+    nodes / GPUs a token's experts sit on.
     """
 
     imbalance: float
     nodes_per_token: float
     slots_per_gpu: int
+    gpus_per_token: float = 8.0
     summary: dict = field(default_factory=dict)
 
 
@@ -285,6 +287,7 @@ def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> Exper
         imbalance=float(summary["max_over_mean"]),
         nodes_per_token=float(min(summary["nodes_per_token"], model.groups_per_token, dep.nodes)),
         slots_per_gpu=slots // gpus,
+        gpus_per_token=float(min(summary["gpus_per_token"], model.experts_per_token, gpus)),
         summary=summary,
     )
     _BALANCE_CACHE[key] = result

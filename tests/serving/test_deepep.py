@@ -1,0 +1,128 @@
+"""DeepEP's normal kernels as two link stages (RDMA, then NVLink), derived from its published figures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import comb
+
+import pytest
+
+from moeinfra.serving.deepep import (
+    DEEPEP_NORMAL_H800_GB_PER_S,
+    TEST_NIC_GB_PER_S,
+    TEST_NVLINK_GB_PER_S,
+    bench_routing_fanout,
+    derived_efficiency,
+    normal_seconds_per_row,
+    stage_rates,
+)
+from moeinfra.serving.perfmodel import COMBINE_BYTES_PER_TOKEN, DISPATCH_BYTES_PER_TOKEN, PerfModel
+from moeinfra.serving.specs import HARDWARE, Deployment, fitting_redundant_experts
+
+
+def _uniform_distinct(places: int, experts: int = 256, topk: int = 8) -> float:
+    """Expected distinct places among ``topk`` experts drawn without replacement, experts spread
+    evenly over ``places`` (DeepEP's test routing when every node group is chosen)."""
+    per_place = experts // places
+    return places * (1 - comb(experts - per_place, topk) / comb(experts, topk))
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_fanout_of_deepeps_routing_matches_the_exact_expectation(nodes):
+    # up to 4 nodes every node group is chosen, so the top-8 are a uniform draw of 8 of 256
+    nodes_per_token, gpus_per_token = bench_routing_fanout(nodes)
+    assert nodes_per_token == pytest.approx(_uniform_distinct(nodes), rel=0.01)
+    assert gpus_per_token == pytest.approx(_uniform_distinct(nodes * 8), rel=0.01)
+
+
+def test_fanout_with_node_limited_routing_reaches_at_most_four_nodes():
+    nodes_per_token, gpus_per_token = bench_routing_fanout(8)
+    # 4 of 8 nodes chosen, each chosen node's best expert ranks high: close to 4 nodes
+    assert 3.9 < nodes_per_token <= 4.0
+    assert nodes_per_token < gpus_per_token <= 8.0
+
+
+def test_links_carry_the_published_logical_bandwidth_converted():
+    rates = stage_rates()
+    (nic16, nvl16), (nic32, _), (nic64, _) = rates[16], rates[32], rates[64]
+    # logical bytes count the sender's own node: the NIC carried (N - 1) / N of them
+    assert nic16 == pytest.approx((43.0 / 2, 43.0 / 2))
+    assert nic32 == pytest.approx((58.0 * 3 / 4, 57.0 * 3 / 4))
+    assert nic64 == pytest.approx((51.0 * 7 / 8, 50.0 * 7 / 8))
+    npt, gpt = bench_routing_fanout(2)
+    assert nvl16[0] == pytest.approx(43.0 * gpt / npt)
+    # EP16 moved far less over the NIC than EP32 / EP64 did: it was held back by NVLink
+    assert nic16[0] < 0.5 * min(nic32[0], nic64[0])
+
+
+def test_efficiencies_are_the_fastest_rate_each_link_reached():
+    (nic_d, nic_c), (nvl_d, nvl_c) = derived_efficiency()
+    assert nic_d == pytest.approx(51.0 * 7 / 8 / TEST_NIC_GB_PER_S)  # EP64 dispatch
+    assert nic_c == pytest.approx(50.0 * 7 / 8 / TEST_NIC_GB_PER_S)
+    npt, gpt = bench_routing_fanout(2)
+    assert nvl_d == pytest.approx(43.0 * gpt / npt / TEST_NVLINK_GB_PER_S)  # EP16
+    assert 0.8 < nic_d < 0.95 and 0.8 < nvl_d < 0.95  # physical: below the link's peak
+
+
+@pytest.mark.parametrize("ep", sorted(DEEPEP_NORMAL_H800_GB_PER_S))
+def test_two_stage_kernel_reproduces_every_published_point(ep):
+    """The longer of the two stages, under the benchmark's own routing, gives back each published
+    logical bandwidth: EP16 (NVLink-bound) and EP64 (RDMA-bound) exactly, EP32 within 3%."""
+    nodes = ep // 8
+    npt, gpt = bench_routing_fanout(nodes)
+    (nic_eff, nvl_eff) = derived_efficiency()
+    for i, row_bytes in enumerate((DISPATCH_BYTES_PER_TOKEN, COMBINE_BYTES_PER_TOKEN)):
+        seconds = normal_seconds_per_row(
+            nodes, npt, gpt, row_bytes, TEST_NIC_GB_PER_S, TEST_NVLINK_GB_PER_S,
+            nic_eff[i], nvl_eff[i],
+        )  # fmt: skip
+        logical = npt * row_bytes / seconds / 1e9
+        assert logical == pytest.approx(DEEPEP_NORMAL_H800_GB_PER_S[ep][i], rel=0.03)
+
+
+def test_stage_bound_switches_with_the_nvlink_speed():
+    npt, gpt = bench_routing_fanout(2)
+    (nic_eff, nvl_eff) = derived_efficiency()
+
+    def logical(nvlink_gb_per_s):
+        s = normal_seconds_per_row(
+            2, npt, gpt, DISPATCH_BYTES_PER_TOKEN, 50.0, nvlink_gb_per_s, nic_eff[0], nvl_eff[0]
+        )
+        return npt * DISPATCH_BYTES_PER_TOKEN / s / 1e9
+
+    # on H100's NVLink the 2-node kernel is RDMA-bound: the NIC at its EP64 rate, ~89 GB/s logical
+    assert logical(450.0) == pytest.approx(51.0 * 7 / 8 * npt / (npt / 2), rel=1e-9)
+    assert 85 < logical(450.0) < 92
+    assert logical(160.0) == pytest.approx(43.0)
+    assert logical(1e6) == logical(450.0)  # more NVLink no longer helps
+
+
+def _prefill(hw: str, nodes: int, micro_batches: int = 2):
+    dep = Deployment(
+        "prefill",
+        nodes=nodes,
+        micro_batches=micro_batches,
+        redundant_experts=fitting_redundant_experts(nodes),
+    )
+    return PerfModel(dep, HARDWARE[hw]).prefill_breakdown()
+
+
+def test_h100_and_h800_differ_where_nvlink_binds():
+    # 2 nodes: H800's NVLink forward binds, H100's does not -> half the all-to-all time
+    h800, h100 = _prefill("h800", 2), _prefill("h100", 2)
+    assert h100.comm.sum() == pytest.approx(h800.comm.sum() * 0.496, rel=0.02)
+    # ... hidden behind compute with two micro-batches, exposed with one
+    assert h100.step_s == pytest.approx(h800.step_s, rel=1e-6)
+    assert _prefill("h100", 2, 1).step_s < 0.85 * _prefill("h800", 2, 1).step_s
+    # 4 nodes: RDMA-bound on both, the same
+    assert _prefill("h100", 4).comm.sum() == pytest.approx(_prefill("h800", 4).comm.sum())
+
+
+def test_a_faster_nic_shortens_only_the_rdma_stage():
+    base = HARDWARE["h800"]
+    fast_nic = replace(base, name="h800-2nic", rdma_gb_per_s=100.0)
+    dep = Deployment("prefill", nodes=4)
+    slow, fast = PerfModel(dep, base), PerfModel(dep, fast_nic)
+    s, f = slow.prefill_breakdown(), fast.prefill_breakdown()
+    # EP32 on H800 is RDMA-bound: twice the NIC is faster, but NVLink now binds, not half
+    assert 0.5 * s.comm.sum() < f.comm.sum() < 0.95 * s.comm.sum()
