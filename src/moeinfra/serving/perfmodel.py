@@ -453,6 +453,21 @@ class PerfModel:
         fixed, f = self.eff.ll_fixed_share, self.eff.comm_time
         return tuple(f * self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
 
+    def all_to_all_s(self, tokens_per_gpu: float) -> tuple[float, float]:
+        """(dispatch, combine) seconds of one all-to-all call of ``tokens_per_gpu`` tokens per GPU:
+        DeepEP's normal kernels in prefill, its low-latency kernels in decode."""
+        if self.gpus == 1:
+            return 0.0, 0.0
+        kernel = self._a2a_normal if self.dep.phase == "prefill" else self._a2a_low_latency
+        dispatch, combine = kernel(float(tokens_per_gpu))
+        return float(dispatch), float(combine)
+
+    def routed_experts_s(self, tokens_per_gpu: float) -> float:
+        """Seconds of the heaviest GPU's routed-expert GEMMs for ``tokens_per_gpu`` tokens per GPU
+        on all SMs (contiguous grouped kernel in prefill, masked in decode)."""
+        kind = "_contiguous" if self.dep.phase == "prefill" else "_masked"
+        return float(self._experts(kind, self._rows_per_expert(float(tokens_per_gpu)), self._slots))
+
     @cached_property
     def _decode_gemm_curves(self):
         """Decode's GEMM seconds per micro-batch on a 1/16-octave grid of tokens per GPU (2^-4 to
