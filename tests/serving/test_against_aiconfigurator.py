@@ -47,22 +47,20 @@ def test_normal_all_to_all_within_ten_percent_where_one_link_binds_alike():
         assert all(0.33 <= r <= 0.40 for r in ratios[8, tokens]), ratios[8, tokens]
 
 
-def test_low_latency_all_to_all_combine_agrees_and_small_dispatch_is_overstated():
+def test_low_latency_all_to_all_within_twenty_percent_at_every_size():
+    """The fixed share comes from the 8-node points at 16 and 128 tokens; the 2- and 4-node points
+    and the other sizes are not used by the model."""
     ratios = _all_to_all_ratios("deepep_low_latency", "decode")
+    assert len(ratios) == 12
     for (nodes, tokens), (dispatch, combine) in ratios.items():
-        assert 0.88 <= combine <= 1.13, (nodes, tokens, combine)
-        if tokens >= 128:
-            assert 0.90 <= dispatch <= 1.17, (nodes, tokens, dispatch)
-        else:
-            # the dispatch's fixed share (0.405, from pplx-kernels) is too large for DeepEP:
-            # 1.3-1.9x the measured time at 16-64 tokens per GPU
-            assert 1.25 <= dispatch <= 1.9, (nodes, tokens, dispatch)
+        assert 0.80 <= combine <= 1.15, (nodes, tokens, combine)
+        assert 1.0 <= dispatch <= 1.20, (nodes, tokens, dispatch)
 
 
 def test_prefill_expert_gemms_are_the_models_largest_optimism():
     """DeepGEMM's published grouped-GEMM rate (kernel only) against SGLang's whole MoE block
     (activation quantisation, SiLU, layout included): the model is 1.5x (EP32) to 2x (EP64) fast,
-    about the GEMM factor the shipped calibrations fit (x1.32, x1.42)."""
+    about the GEMM factor the shipped calibrations fit (x1.21, x1.42)."""
     for row in MEASURED["moe_prefill"]:
         ratio = _unit("prefill", row["ep"] // 8).routed_experts_s(row["tokens_per_gpu"]) * 1e3
         ratio /= row["ms"]

@@ -462,7 +462,8 @@ def test_a_lone_request_paces_its_unit_as_one_request_on_one_rank():
     spread = DECODE.decode_step_s(
         np.full(kv.size, 1.0 / DECODE.gpus), kv, imb["decode_requests"], imb["decode_kv"]
     )
-    assert res.tpot_s[0] > 1.003 * spread.mean()  # the old pace: 1/144 of a request per rank
+    # the old pace, 1/144 of a request per rank, is measurably faster than the simulated TPOT
+    assert res.tpot_s[0] - spread.mean() > 10 * abs(res.tpot_s[0] - one.mean())
 
 
 def test_a_prefill_slows_by_the_share_of_decode_units_that_decode():

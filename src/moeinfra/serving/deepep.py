@@ -19,6 +19,12 @@ over the NIC is far below it) and NVLink at 2 nodes (141 of 160 GB/s). A kernel 
 longer of its two stages, which reproduces the published EP16 and EP64 figures and EP32's within
 3% (``tests/serving/test_deepep.py``), and says where a faster NVLink (H100's 450 GB/s) helps:
 at 2 nodes, where H800's NVLink is the bottleneck.
+
+DeepEP's low-latency kernels are published at 128 tokens per GPU only. How their time falls with
+fewer tokens comes from DeepEP's own kernels measured at 16 and 128 tokens per GPU on 8 H100 nodes
+by NVIDIA's AIConfigurator (:data:`DEEPEP_LL_H100_8_NODES_US`): a line through the two points keeps
+0.17 (dispatch) and 0.08 (combine) of the 128-token time at 0 tokens (:func:`ll_fixed_share`); the
+2- and 4-node points, not used, test it (``tests/serving/test_against_aiconfigurator.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,14 @@ DEEPEP_NORMAL_H800_GB_PER_S: dict[int, tuple[float, float]] = {
 TEST_NIC_GB_PER_S = 50.0
 TEST_NVLINK_GB_PER_S = 160.0
 TEST_GPUS_PER_NODE = 8
+
+#: DeepEP low-latency dispatch and combine (µs) on 8 H100 nodes (EP64), DeepSeek-V3 shapes, by
+#: tokens per GPU: NVIDIA AIConfigurator 0.12.0 (``aiconfigurator-core``, Apache-2.0),
+#: ``systems/data/h100_sxm/comm/sglang/0.5.6.post2/wideep_deepep_ll_perf.parquet``.
+DEEPEP_LL_H100_8_NODES_US: dict[int, tuple[float, float]] = {
+    16: (45.73, 59.57),
+    128: (166.77, 304.73),
+}
 
 
 @cache
@@ -108,3 +122,17 @@ def normal_seconds_per_row(
     nic = nodes_per_token * (1.0 - 1.0 / nodes) * row_bytes / (nic_gb_per_s * 1e9 * nic_efficiency)
     nvlink = gpus_per_token * row_bytes / (nvlink_gb_per_s * 1e9 * nvlink_efficiency)
     return max(nic, nvlink)
+
+
+def ll_fixed_share(
+    points: dict[int, tuple[float, float]] = DEEPEP_LL_H100_8_NODES_US,
+) -> tuple[float, float]:
+    """(dispatch, combine) share of a low-latency kernel's 128-token time that does not shrink with
+    fewer tokens: the time at 0 tokens of a line through the two measured points."""
+    (n0, t0), (n1, t1) = sorted(points.items())
+    shares = []
+    for i in (0, 1):
+        slope = (t1[i] - t0[i]) / (n1 - n0)
+        fixed = t0[i] - slope * n0
+        shares.append(fixed / (fixed + slope * 128))
+    return shares[0], shares[1]

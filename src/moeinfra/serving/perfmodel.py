@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from moeinfra.errors import InputError
-from moeinfra.serving.deepep import derived_efficiency, normal_seconds_per_row
+from moeinfra.serving.deepep import derived_efficiency, ll_fixed_share, normal_seconds_per_row
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
@@ -92,10 +92,9 @@ class Efficiency:
     ll_latency_us_128: DeepEP low-latency kernels (dispatch, combine) for 128 tokens by EP degree;
         scaled by NIC speed.
     ll_fixed_share: (dispatch, combine) share of the 128-token low-latency time that does not shrink
-        with fewer tokens; ``t(n) = t_128 * (share + (1 - share) * n / 128)``. From pplx-kernels'
-        EP128 IBGDA all-to-all on H100 (1 token vs 128 tokens per GPU: dispatch 125.9 vs 307.7 µs,
-        combine 63.2 vs 593.9 µs; a line through both points), the only published low-latency
-        all-to-all measured at both ends of the range.
+        with fewer tokens; ``t(n) = t_128 * (share + (1 - share) * n / 128)``: a line through
+        DeepEP's low-latency kernels measured at 16 and 128 tokens per GPU on 8 H100 nodes by
+        NVIDIA's AIConfigurator (:func:`moeinfra.serving.deepep.ll_fixed_share`).
     comm_launch_s: fixed cost of one normal-kernel all-to-all call (kernel launch + RDMA round trip).
     step_overhead_s: per forward step, host-side scheduling plus kernel-launch gaps: ~1.5 ms + ~2 ms
         measured by Alibaba's RTP-LLM on H800 in DeepSeek's EP144 decode configuration.
@@ -138,7 +137,7 @@ class Efficiency:
             256: (194.0, 360.0),
         }
     )
-    ll_fixed_share: tuple[float, float] = (0.405, 0.099)
+    ll_fixed_share: tuple[float, float] = field(default_factory=ll_fixed_share)
     comm_launch_s: float = 10e-6
     step_overhead_s: float = 3.5e-3
     memory_usable: float = 0.9
