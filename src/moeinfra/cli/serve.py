@@ -625,9 +625,16 @@ def model_cmd(
         help="2: dual micro-batch overlap (DeepSeek's, the default); 1: no overlap.",
     ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    kernels: str = typer.Option(
+        "first-principles",
+        "--kernels",
+        help="first-principles, or aiconfigurator: NVIDIA AIConfigurator's measured all-to-all "
+        "and MoE GEMM times where they cover the unit (h100, h200; pip install 'moeinfra[aic]').",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Per-layer time breakdown of one step of one prefill or decode unit."""
+    from moeinfra.serving.kernels import KERNEL_SOURCES, KernelTables
     from moeinfra.serving.perfmodel import PerfModel
     from moeinfra.serving.specs import DEEPSEEK_V3, Deployment, fitting_redundant_experts
     from moeinfra.serving.specs import hardware as hardware_spec
@@ -644,6 +651,13 @@ def model_cmd(
         raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
     if micro_batches not in (None, 1, 2):
         raise InputError(f"--micro-batches={micro_batches} must be 1 or 2")
+    if kernels not in KERNEL_SOURCES:
+        raise InputError(f"--kernels={kernels!r} must be one of {', '.join(KERNEL_SOURCES)}")
+    if kernels != "first-principles" and calibration != "none":
+        raise InputError(
+            f"--kernels={kernels} replaces the first-principles times a calibration scales: "
+            "give --calibration none with it"
+        )
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
     cal = _calibration(calibration)
@@ -658,7 +672,8 @@ def model_cmd(
         phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
     )
     if cal is None:
-        perf = PerfModel(dep, hw_spec)
+        tables = None if kernels == "first-principles" else KernelTables.aiconfigurator(hardware)
+        perf = PerfModel(dep, hw_spec, kernels=tables)
     else:
         if nodes is None and phase in cal.units:
             dep = cal.units[phase]
@@ -680,6 +695,8 @@ def model_cmd(
         "phase": phase,
         "hardware": hardware,
         "calibration": _calibration_summary(cal),
+        "kernels": kernels,
+        "kernel_sources": b.sources,
         "nodes": dep.nodes,
         "gpus": perf.gpus,
         "micro_batches": dep.micro_batches,
@@ -725,6 +742,8 @@ def model_cmd(
     console.print(
         f"head {b.head_s * 1e3:.3f} ms; host and launch overhead {b.overhead_s * 1e3:.1f} ms; "
         f"expert imbalance {perf.balance.imbalance:.3f}; calibration "
-        f"{'none' if cal is None else cal.name}"
+        f"{'none' if cal is None else cal.name}; kernels {kernels}"
     )
     console.print(f"memory per GPU: {memory.describe()}")
+    for part, source in b.sources.items():
+        console.print(f"{part}: {source}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.deepep import derived_efficiency, ll_fixed_share, normal_seconds_per_row
+from moeinfra.serving.kernels import KernelTables, OpTime
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
@@ -184,7 +185,9 @@ class LayerBreakdown:
 
     ``compute`` / ``comm``: ``[layers]`` sums over both micro-batches; ``layer``: max of the two;
     ``step_s``: sum over layers plus ``head_s`` plus ``overhead_s`` (host and launch gaps).
-    ``tokens``: tokens the unit processes in the step.
+    ``tokens``: tokens the unit processes in the step. ``sources``: where each MoE part's time
+    comes from when measured kernels are in force (:mod:`moeinfra.serving.kernels`; empty: every
+    part first-principles).
     """
 
     phase: str
@@ -196,6 +199,7 @@ class LayerBreakdown:
     overhead_s: float
     step_s: float
     tokens_per_gpu: float
+    sources: dict[str, str] = field(default_factory=dict)
 
     def rows(self) -> list[dict[str, float]]:
         """One dict per layer (milliseconds) for tables and JSON."""
@@ -265,7 +269,9 @@ class PerfModel:
 
     The expert imbalance (EPLB plan on a synthetic skewed load) is computed once here.
     ``kv_tokens_per_gpu`` fixes the KV-cache capacity (an engine's configured blocks) instead of
-    deriving it from HBM left after the weights.
+    deriving it from HBM left after the weights. ``kernels``: measured kernel tables whose
+    all-to-all and routed-expert times replace the first-principles ones in
+    :meth:`prefill_breakdown` and :meth:`decode_breakdown` where they cover the unit.
     """
 
     def __init__(
@@ -277,8 +283,10 @@ class PerfModel:
         *,
         balance: ExpertBalance | None = None,
         kv_tokens_per_gpu: float | None = None,
+        kernels: KernelTables | None = None,
     ) -> None:
         self.dep, self.hw, self.model, self.eff = dep, hw, model, eff
+        self.kernels = kernels
         self._kv_tokens_per_gpu = kv_tokens_per_gpu
         self.gpus = dep.gpus(hw)
         self.balance = balance if balance is not None else expert_balance(model, hw, dep)
@@ -527,8 +535,11 @@ class PerfModel:
         )
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
+        routed, dispatch, combine, sources = self._measured(nb, sm, routed, dispatch, combine)
         parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
-        return self._assemble("prefill", n, mb, *parts, head_tokens=n / max(prompt_len, 1.0))
+        return self._assemble(
+            "prefill", n, mb, *parts, head_tokens=n / max(prompt_len, 1.0), sources=sources
+        )
 
     def prefill_seconds_per_token(
         self, cached_fraction: float = 0.0, mean_prompt: float = 4096.0
@@ -551,9 +562,57 @@ class PerfModel:
                 f"batch_per_gpu={batch_per_gpu} must be > 0 and mean_kv={mean_kv} >= 0"
             )
         parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float))
+        nb = batch_per_gpu / self.dep.micro_batches
+        routed, dispatch, combine, sources = self._measured(nb, 1.0, *parts[3:4], *parts[6:8])
+        parts = (*parts[:3], routed, *parts[4:6], dispatch, combine)
         return self._assemble(
-            "decode", batch_per_gpu, self.dep.micro_batches, *parts, head_tokens=batch_per_gpu
+            "decode",
+            batch_per_gpu,
+            self.dep.micro_batches,
+            *parts,
+            head_tokens=batch_per_gpu,
+            sources=sources,
         )
+
+    def _measured(self, tokens: float, sm_fraction: float, routed, dispatch, combine):
+        """The routed experts, dispatch and combine of a micro-batch of ``tokens`` per GPU from
+        the measured kernel tables where they cover this unit (``self.kernels``), and each part's
+        source; unchanged (and no sources) without tables."""
+        if self.kernels is None:
+            return routed, dispatch, combine, {}
+        m, phase = self.model, self.dep.phase
+        shape = {
+            "hidden": m.hidden,
+            "topk": m.experts_per_token,
+            "experts": m.num_routed_experts,
+            "inter": m.moe_intermediate,
+        }
+        heaviest = tokens * self.balance.imbalance
+        out: dict[str, OpTime] = {}
+        curve = self.kernels.routed_experts(phase, self.gpus, shape)
+        first = float(routed)
+        if curve is None:
+            out["routed"] = OpTime(first, "first-principles", f"no measured EP{self.gpus} MoE")
+        else:
+            # the table holds a mean GPU on all SMs; the part is the heaviest GPU on its SM share
+            k = self.balance.imbalance / sm_fraction
+            at = curve.at(tokens, first / k)
+            out["routed"] = replace(at, seconds=at.seconds * k)
+        kernel = "normal" if phase == "prefill" else "low_latency"
+        curves = self.kernels.all_to_all(kernel, self.dep.nodes, shape) if self.gpus > 1 else None
+        for name, first_s, i in (("dispatch", float(dispatch), 0), ("combine", float(combine), 1)):
+            if self.gpus == 1:
+                out[name] = OpTime(first_s, "first-principles", "one GPU: no all-to-all")
+            elif curves is None:
+                out[name] = OpTime(
+                    first_s,
+                    "first-principles",
+                    f"no measured {self.dep.nodes}-node DeepEP {kernel.replace('_', '-')}",
+                )
+            else:
+                out[name] = curves[i].at(heaviest, first_s)
+        sources = {name: t.label for name, t in out.items()}
+        return out["routed"].seconds, out["dispatch"].seconds, out["combine"].seconds, sources
 
     def _decode_parts(self, b, kv, queries: int = 1):
         """Per micro-batch parts of a decode step of ``b`` requests per GPU, each with ``queries``
@@ -621,6 +680,7 @@ class PerfModel:
         combine,
         *,
         head_tokens,
+        sources: dict[str, str] | None = None,
     ) -> LayerBreakdown:
         m = self.model
         layers = m.num_layers
@@ -647,4 +707,6 @@ class PerfModel:
         if phase == "prefill":
             overhead += self.eff.prompt_overhead_s * head_tokens
         step = float(layer.sum()) + head + overhead
-        return LayerBreakdown(phase, parts, compute, comm, layer, head, overhead, step, float(n))
+        return LayerBreakdown(
+            phase, parts, compute, comm, layer, head, overhead, step, float(n), sources or {}
+        )

@@ -1,0 +1,181 @@
+"""Measured kernel times in place of the first-principles ones (``serve model --kernels aiconfigurator``).
+
+NVIDIA's AIConfigurator (``pip install moeinfra[aic]``: ``aiconfigurator-core==0.12.0``,
+Apache-2.0) ships per-operation latencies measured with SGLang on H100 and H200. Three of its tables
+cover parts of a DeepSeek-V3 layer exactly as this model splits it, and are read here (from the
+installed package's data, without importing it):
+
+* DeepEP normal all-to-all (prefill's dispatch and combine), by nodes and tokens per GPU;
+* DeepEP low-latency all-to-all (decode's), by nodes and tokens per GPU;
+* the grouped MoE GEMMs of DeepEP's MoE block (prefill and decode), by EP degree and tokens, with
+  uniform routing — the measured stand-in for an EPLB-balanced load (the unit's EPLB imbalance is
+  applied on top, as in the first-principles model).
+
+A part is then *measured* (a measured point), *interpolated* (linear in tokens between the two
+measured points around it) or *first-principles* — with the reason: no table for the unit's node
+count or EP degree, another model shape, or tokens outside the measured range. Nothing is
+extrapolated. Every other part (MLA projections and attention, shared expert, gate, dense MLPs)
+stays first-principles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeinfra.errors import InputError
+
+KERNEL_SOURCES = ("first-principles", "aiconfigurator")
+#: moeinfra hardware preset -> AIConfigurator system with the wide-EP SGLang tables.
+AIC_SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm"}
+AIC_FILES = {
+    "deepep_normal": "comm/sglang/0.5.6.post2/wideep_deepep_normal_perf.parquet",
+    "deepep_low_latency": "comm/sglang/0.5.6.post2/wideep_deepep_ll_perf.parquet",
+    "moe_prefill": "moe/sglang/0.5.10/wideep_context_moe_perf.parquet",
+    "moe_decode": "moe/sglang/0.5.10/wideep_generation_moe_perf.parquet",
+}
+#: SMs DeepSeek gives the prefill all-to-all (24 of 132); a table without them takes the most it has.
+PREFILL_COMM_SMS = 24
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """Seconds of one part of a layer and where they come from."""
+
+    seconds: float
+    source: str  # "measured", "interpolated" or "first-principles"
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} ({self.note})" if self.note else self.source
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Measured seconds of one kernel against tokens per GPU (sorted, distinct)."""
+
+    tokens: np.ndarray
+    seconds: np.ndarray
+    what: str
+
+    def at(self, tokens: float, first_principles: float) -> OpTime:
+        lo, hi = float(self.tokens[0]), float(self.tokens[-1])
+        hit = np.isclose(self.tokens, tokens, rtol=1e-9, atol=0.0)
+        if hit.any():
+            return OpTime(float(self.seconds[hit.argmax()]), "measured", self.what)
+        if lo < tokens < hi:
+            return OpTime(
+                float(np.interp(tokens, self.tokens, self.seconds)), "interpolated", self.what
+            )
+        return OpTime(
+            first_principles,
+            "first-principles",
+            f"{tokens:,.0f} tokens per GPU outside the measured {lo:,.0f}-{hi:,.0f}: {self.what}",
+        )
+
+
+@dataclass(frozen=True)
+class KernelTables:
+    """Measured kernel curves of one system. ``rows[table]``: dicts with the columns of
+    AIConfigurator's tables (names as in its Parquet files)."""
+
+    system: str
+    rows: dict[str, list[dict]] = field(repr=False)
+
+    @classmethod
+    def aiconfigurator(cls, hardware: str, data_dir: Path | None = None) -> KernelTables:
+        """The tables of the installed ``aiconfigurator-core`` for ``hardware`` (h100 or h200)."""
+        if hardware not in AIC_SYSTEMS:
+            raise InputError(
+                f"--kernels aiconfigurator: hardware={hardware!r} has no AIConfigurator wide-EP "
+                f"tables; allowed: {', '.join(AIC_SYSTEMS)}"
+            )
+        root = data_dir or _aic_data_dir()
+        system = AIC_SYSTEMS[hardware]
+        paths = {table: root / system / rel for table, rel in AIC_FILES.items()}
+        for path in paths.values():
+            if not path.is_file():
+                raise InputError(f"--kernels aiconfigurator: {path} is missing")
+        import pyarrow.parquet as pq  # a dependency of aiconfigurator-core
+
+        rows = {table: pq.read_table(path).to_pylist() for table, path in paths.items()}
+        return cls(system, rows)
+
+    def _rows(self, table: str, shape: dict[str, int], **match) -> list[dict]:
+        return [
+            r
+            for r in self.rows.get(table, [])
+            if all(r.get(k) == v for k, v in shape.items())
+            and all(r[k] == v for k, v in match.items())
+        ]
+
+    def all_to_all(
+        self, kernel: str, nodes: int, shape: dict[str, int]
+    ) -> tuple[Curve, Curve] | None:
+        """(dispatch, combine) curves of DeepEP's ``"normal"`` or ``"low_latency"`` kernels on
+        ``nodes`` nodes, or None when none was measured."""
+        shape = {
+            "hidden_size": shape["hidden"],
+            "num_topk": shape["topk"],
+            "num_experts": shape["experts"],
+        }
+        if kernel == "normal":
+            rows = self._rows("deepep_normal", shape, node_num=nodes)
+            if not rows:
+                return None
+            sms = {r["dispatch_sms"] for r in rows}
+            use = PREFILL_COMM_SMS if PREFILL_COMM_SMS in sms else max(sms)
+            rows = [r for r in rows if r["dispatch_sms"] == use and r["combine_sms"] == use]
+            what = f"DeepEP normal, {nodes} node(s), {use} SMs, {self.system}"
+            times = [
+                (r["num_token"], r["dispatch_transmit_us"] + r["dispatch_notify_us"],
+                 r["combine_transmit_us"] + r["combine_notify_us"])
+                for r in rows
+            ]  # fmt: skip
+        else:
+            rows = self._rows("deepep_low_latency", shape, node_num=nodes)
+            if not rows:
+                return None
+            what = f"DeepEP low-latency, {nodes} node(s), {self.system}"
+            times = [(r["num_token"], r["dispatch_avg_t_us"], r["combine_avg_t_us"]) for r in rows]
+        return _curve(times, 1, what), _curve(times, 2, what)
+
+    def routed_experts(self, phase: str, ep: int, shape: dict[str, int]) -> Curve | None:
+        """Grouped MoE GEMMs of one GPU against its tokens per GPU (the tables count tokens over
+        all ``ep`` GPUs), uniform routing, or None when EP ``ep`` was not measured."""
+        table = "moe_prefill" if phase == "prefill" else "moe_decode"
+        rows = self._rows(
+            table,
+            {"hidden_size": shape["hidden"], "topk": shape["topk"], "num_experts": shape["experts"],
+             "inter_size": shape["inter"]},
+            moe_ep_size=ep,
+            distribution="uniform",
+        )  # fmt: skip
+        if not rows:
+            return None
+        what = f"grouped MoE GEMMs, EP{ep}, uniform routing, {self.system}"
+        times = [(r["num_tokens"] / ep, r["latency"] * 1e3) for r in rows]
+        return _curve(times, 1, what)
+
+
+def _curve(times: list[tuple], column: int, what: str) -> Curve:
+    """A curve from (tokens, µs...) tuples; repeated token counts keep their mean."""
+    by_tokens: dict[float, list[float]] = {}
+    for row in times:
+        by_tokens.setdefault(float(row[0]), []).append(float(row[column]))
+    tokens = np.array(sorted(by_tokens))
+    return Curve(tokens, np.array([np.mean(by_tokens[t]) * 1e-6 for t in tokens]), what)
+
+
+def _aic_data_dir() -> Path:
+    spec = importlib.util.find_spec("aiconfigurator_core")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(
+            "--kernels aiconfigurator needs NVIDIA's AIConfigurator tables: "
+            "pip install 'moeinfra[aic]' (aiconfigurator-core==0.12.0)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "systems" / "data"

@@ -1,0 +1,155 @@
+"""Measured kernel tables in place of first-principles times (serve model --kernels aiconfigurator)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeinfra.errors import InputError
+from moeinfra.serving import kernels as kernels_module
+from moeinfra.serving.kernels import Curve, KernelTables
+from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.specs import HARDWARE, Deployment, fitting_redundant_experts
+
+ROWS = json.loads((Path(__file__).parent / "data" / "aiconfigurator_h100_rows.json").read_text())
+TABLES = KernelTables(ROWS["system"], ROWS["rows"])
+SHAPE = {"hidden": 7168, "topk": 8, "experts": 256, "inter": 2048}
+
+
+def _row(table: str, **match) -> dict:
+    (row,) = [r for r in ROWS["rows"][table] if all(r[k] == v for k, v in match.items())]
+    return row
+
+
+def test_a_curve_is_measured_at_its_points_interpolated_between_and_never_extrapolated():
+    curve = Curve(np.array([100.0, 200.0]), np.array([1.0, 3.0]), "k")
+    assert (curve.at(100.0, 9.0).seconds, curve.at(100.0, 9.0).source) == (1.0, "measured")
+    mid = curve.at(150.0, 9.0)
+    assert (mid.seconds, mid.source) == (2.0, "interpolated")
+    for outside in (50.0, 400.0):
+        t = curve.at(outside, 9.0)
+        assert (t.seconds, t.source) == (9.0, "first-principles")
+        assert "outside the measured 100-200" in t.note
+
+
+def test_all_to_all_curves_take_deepseeks_24_sms_and_sum_transmit_and_notify():
+    dispatch, combine = TABLES.all_to_all("normal", 4, SHAPE)
+    row = _row("deepep_normal", node_num=4, num_token=16384, dispatch_sms=24)
+    i = list(dispatch.tokens).index(16384.0)
+    assert dispatch.seconds[i] == pytest.approx(
+        (row["dispatch_transmit_us"] + row["dispatch_notify_us"]) * 1e-6
+    )
+    assert combine.seconds[i] == pytest.approx(
+        (row["combine_transmit_us"] + row["combine_notify_us"]) * 1e-6
+    )
+    assert "24 SMs" in dispatch.what
+    # one node was measured at 20 SMs only: the most it has
+    assert "20 SMs" in TABLES.all_to_all("normal", 1, SHAPE)[0].what
+    assert TABLES.all_to_all("normal", 18, SHAPE) is None
+    assert TABLES.all_to_all("normal", 4, SHAPE | {"experts": 128}) is None
+
+
+def test_routed_expert_curve_is_per_gpu_tokens_and_uniform_routing():
+    curve = TABLES.routed_experts("prefill", 32, SHAPE)
+    row = _row("moe_prefill", moe_ep_size=32, num_tokens=262144, distribution="uniform")
+    assert list(curve.tokens) == [4096.0, 8192.0, 16384.0]
+    assert curve.seconds[1] == pytest.approx(row["latency"] * 1e-3)
+    assert TABLES.routed_experts("decode", 144, SHAPE) is None
+
+
+def _prefill(kernels=None) -> PerfModel:
+    return PerfModel(Deployment("prefill", 4), HARDWARE["h100"], kernels=kernels)
+
+
+def test_prefill_takes_the_measured_moe_and_all_to_all_and_keeps_the_rest():
+    plain, measured = _prefill().prefill_breakdown(), _prefill(TABLES).prefill_breakdown()
+    assert plain.sources == {}
+    assert measured.sources["routed"].startswith("measured (grouped MoE GEMMs, EP32")
+    # 8,192 tokens per micro-batch x the EPLB imbalance: between two measured points
+    assert measured.sources["dispatch"].startswith("interpolated (DeepEP normal, 4 node(s)")
+    pm = _prefill()
+    row = _row("moe_prefill", moe_ep_size=32, num_tokens=262144, distribution="uniform")
+    mean_gpu_all_sms = row["latency"] * 1e-3
+    expected = 2 * mean_gpu_all_sms * pm.balance.imbalance / (108 / 132)
+    assert measured.parts["routed"][10] == pytest.approx(expected)
+    for part in ("attn_proj", "core_attn", "shared", "gate", "dense_mlp"):
+        np.testing.assert_array_equal(measured.parts[part], plain.parts[part])
+    dispatch_curve = TABLES.all_to_all("normal", 4, SHAPE)[0]
+    tokens = 8192 * pm.balance.imbalance
+    assert measured.parts["dispatch"][10] == pytest.approx(
+        2 * np.interp(tokens, dispatch_curve.tokens, dispatch_curve.seconds)
+    )
+    assert measured.step_s > plain.step_s  # SGLang's MoE block is slower than DeepGEMM alone
+
+
+def test_a_unit_without_tables_stays_first_principles_and_says_why():
+    dep = Deployment("decode", 18)
+    plain = PerfModel(dep, HARDWARE["h100"]).decode_breakdown(64, 4989)
+    b = PerfModel(dep, HARDWARE["h100"], kernels=TABLES).decode_breakdown(64, 4989)
+    assert b.step_s == plain.step_s
+    assert b.sources == {
+        "routed": "first-principles (no measured EP144 MoE)",
+        "dispatch": "first-principles (no measured 18-node DeepEP low-latency)",
+        "combine": "first-principles (no measured 18-node DeepEP low-latency)",
+    }
+
+
+def test_decode_outside_the_measured_tokens_is_first_principles_not_extrapolated():
+    dep = Deployment("decode", 8, redundant_experts=fitting_redundant_experts(8))
+    first = PerfModel(dep, HARDWARE["h100"]).decode_breakdown(1024, 2000)
+    b = PerfModel(dep, HARDWARE["h100"], kernels=TABLES).decode_breakdown(1024, 2000)
+    # 512 tokens per micro-batch: beyond the 256 the low-latency table reaches
+    assert "outside the measured 16-256" in b.sources["dispatch"]
+    assert b.parts["dispatch"][10] == first.parts["dispatch"][10]
+
+
+def test_tables_refuse_hardware_they_do_not_have_and_a_missing_package(monkeypatch, tmp_path):
+    with pytest.raises(InputError, match=r"hardware='h800' has no AIConfigurator"):
+        KernelTables.aiconfigurator("h800")
+    monkeypatch.setattr(kernels_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InputError, match=r"pip install 'moeinfra\[aic\]'"):
+        KernelTables.aiconfigurator("h100")
+    with pytest.raises(InputError, match=r"wideep_deepep_normal_perf.parquet is missing"):
+        KernelTables.aiconfigurator("h100", data_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kernels", "aic"], "error: --kernels='aic' must be one of first-principles, "),
+        (["--kernels", "aiconfigurator"], "error: --kernels aiconfigurator: hardware='h800'"),
+        (
+            ["--kernels", "aiconfigurator", "--calibration", "sglang-h100"],
+            "error: --kernels=aiconfigurator replaces the first-principles times",
+        ),
+    ],
+)
+def test_cli_names_the_kernels_problem(args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "moeinfra", "serve", "model", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_installed_tables_hold_the_rows_copied_here():
+    """Where aiconfigurator-core is installed (pip install 'moeinfra[aic]'), its tables give the
+    same curves as the rows copied into the test data."""
+    pytest.importorskip("aiconfigurator_core")
+    installed = KernelTables.aiconfigurator("h100")
+    for nodes in (2, 4):
+        mine, theirs = (
+            TABLES.all_to_all("normal", nodes, SHAPE),
+            installed.all_to_all("normal", nodes, SHAPE),
+        )
+        for a, b in zip(mine, theirs, strict=True):
+            keep = np.isin(b.tokens, a.tokens)
+            np.testing.assert_allclose(b.seconds[keep], a.seconds)
