@@ -101,9 +101,12 @@ TARGETS = {
         ),
     ),
     "serving": Target(
-        ("perfmodel", "simulate", "schedule", "cost"),
+        ("perfmodel", "deepep", "kernels", "simulate", "schedule", "cost"),
         (
             "test_model",
+            "test_deepep",
+            "test_kernels",
+            "test_against_aiconfigurator",
             "test_simulate",
             "test_weak_spots",
             "test_balancers",
