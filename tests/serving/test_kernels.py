@@ -153,3 +153,16 @@ def test_installed_tables_hold_the_rows_copied_here():
         for a, b in zip(mine, theirs, strict=True):
             keep = np.isin(b.tokens, a.tokens)
             np.testing.assert_allclose(b.seconds[keep], a.seconds)
+
+
+def test_decode_inside_the_measured_range_takes_the_low_latency_curve_per_micro_batch():
+    dep = Deployment("decode", 8, redundant_experts=fitting_redundant_experts(8))
+    perf = PerfModel(dep, HARDWARE["h100"], kernels=TABLES)
+    b = perf.decode_breakdown(128, 2000)
+    # two micro-batches of 64 requests; the heaviest GPU receives 64 x the EPLB imbalance rows
+    dispatch_curve, _ = TABLES.all_to_all("low_latency", 8, SHAPE)
+    tokens = 64 * perf.balance.imbalance
+    assert b.sources["dispatch"].startswith("interpolated (DeepEP low-latency, 8 node(s)")
+    assert b.parts["dispatch"][10] == pytest.approx(
+        2 * np.interp(tokens, dispatch_curve.tokens, dispatch_curve.seconds)
+    )

@@ -85,3 +85,23 @@ def test_simulate_plan_and_model_refuse_or_leave_out_a_unit_that_does_not_fit(tm
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "does not fit" in done.stderr
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_activations_are_the_documented_buffers_counted_by_hand(phase):
+    """Per micro-batch of n tokens: residual + normed hidden states (BF16), MLA's expanded q, k, v
+    (BF16), and for the received expert rows (n x 8 x imbalance) the FP8 dispatch buffer with
+    scales, the gate/up output and the BF16 combine buffer; plus FP32 logits of the LM-head rows
+    (one per 4,096-token prompt in prefill, every request in decode)."""
+    perf = PerfModel(Deployment(phase, 4 if phase == "prefill" else 18), hardware("h800"))
+    n = 16_384 if phase == "prefill" else 256
+    nb = n / 2
+    rows = nb * 8 * perf.balance.imbalance
+    per_micro_batch = (
+        2 * nb * 7168 * 2
+        + nb * 128 * (2 * (128 + 64) + 128) * 2
+        + rows * (7392 + 2 * 2048 * 2 + 14_336)
+    )
+    head_rows = n / 4096 if phase == "prefill" else n
+    expected = 2 * per_micro_batch + head_rows * 129_280 * 4
+    assert perf.memory_use().activations == pytest.approx(expected, rel=1e-12)

@@ -46,6 +46,14 @@ def test_a_constant_fleet_summary_by_hand():
     }
     day = deepseek_day_schedule()
     assert day.prefill_units.dtype.kind == day.decode_units.dtype.kind == "i"  # whole units
+    assert constant_schedule(2, 3, 3600.0).nodes_at(0.0) == 2 * 4 + 3 * 18
+
+
+def test_records_are_a_record_interval_apart_whatever_the_tick():
+    w = Workload(np.array([0.0]), np.array([900]), np.array([50]), np.zeros(1), 1.0, 300.0)
+    cfg = SimConfig(tick_s=0.5, record_every_s=60.0)
+    result = simulate(w, constant_schedule(1, 1, 300.0), PREFILL, DECODE, cfg)
+    assert result.record_t_s[:5].tolist() == [0.0, 60.0, 120.0, 180.0, 240.0]
 
 
 def test_deepseek_schedule_integrates_to_published_node_hours():
