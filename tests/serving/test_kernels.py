@@ -69,20 +69,20 @@ def _prefill(kernels=None) -> PerfModel:
 def test_prefill_takes_the_measured_moe_and_all_to_all_and_keeps_the_rest():
     plain, measured = _prefill().prefill_breakdown(), _prefill(TABLES).prefill_breakdown()
     assert plain.sources == {}
-    assert measured.sources["routed"].startswith("measured (grouped MoE GEMMs, EP32")
-    # 8,192 tokens per micro-batch x the EPLB imbalance: between two measured points
+    # the heaviest GPU's 8,192 tokens per micro-batch x the EPLB imbalance: between two points
+    assert measured.sources["routed"].startswith("interpolated (grouped MoE GEMMs, EP32")
     assert measured.sources["dispatch"].startswith("interpolated (DeepEP normal, 4 node(s)")
+    assert "NVIDIA H100 (h100_sxm table)" in measured.sources["dispatch"]
     pm = _prefill()
-    row = _row("moe_prefill", moe_ep_size=32, num_tokens=262144, distribution="uniform")
-    mean_gpu_all_sms = row["latency"] * 1e-3
-    expected = 2 * mean_gpu_all_sms * pm.balance.imbalance / (108 / 132)
-    assert measured.parts["routed"][10] == pytest.approx(expected)
+    heaviest = 8192 * pm.balance.imbalance
+    moe = TABLES.routed_experts("prefill", 32, SHAPE)
+    all_sms = np.interp(heaviest, moe.tokens, moe.seconds)
+    assert measured.parts["routed"][10] == pytest.approx(2 * all_sms / (108 / 132))
     for part in ("attn_proj", "core_attn", "shared", "gate", "dense_mlp"):
         np.testing.assert_array_equal(measured.parts[part], plain.parts[part])
     dispatch_curve = TABLES.all_to_all("normal", 4, SHAPE)[0]
-    tokens = 8192 * pm.balance.imbalance
     assert measured.parts["dispatch"][10] == pytest.approx(
-        2 * np.interp(tokens, dispatch_curve.tokens, dispatch_curve.seconds)
+        2 * np.interp(heaviest, dispatch_curve.tokens, dispatch_curve.seconds)
     )
     assert measured.step_s > plain.step_s  # SGLang's MoE block is slower than DeepGEMM alone
 
@@ -142,17 +142,29 @@ def test_cli_names_the_kernels_problem(args, message):
 
 def test_installed_tables_hold_the_rows_copied_here():
     """Where aiconfigurator-core is installed (pip install 'moeinfra[aic]'), its tables give the
-    same curves as the rows copied into the test data."""
+    same curves as the rows copied into the test data (MoE latencies copied to 10 digits)."""
     pytest.importorskip("aiconfigurator_core")
     installed = KernelTables.aiconfigurator("h100")
-    for nodes in (2, 4):
-        mine, theirs = (
-            TABLES.all_to_all("normal", nodes, SHAPE),
-            installed.all_to_all("normal", nodes, SHAPE),
-        )
+    pairs = [
+        (TABLES.all_to_all(kind, n, SHAPE), installed.all_to_all(kind, n, SHAPE))
+        for kind, nodes in (("normal", (1, 2, 4, 8)), ("low_latency", (2, 4, 8)))
+        for n in nodes
+    ] + [
+        ((TABLES.routed_experts(phase, ep, SHAPE),), (installed.routed_experts(phase, ep, SHAPE),))
+        for phase in ("prefill", "decode")
+        for ep in (32, 64)
+    ]
+    for mine, theirs in pairs:
         for a, b in zip(mine, theirs, strict=True):
             keep = np.isin(b.tokens, a.tokens)
-            np.testing.assert_allclose(b.seconds[keep], a.seconds)
+            assert keep.sum() == a.tokens.size
+            np.testing.assert_allclose(b.seconds[keep], a.seconds, rtol=1e-9)
+
+
+def test_the_simulators_decode_step_refuses_measured_tables():
+    perf = PerfModel(Deployment("decode", 8, 64), HARDWARE["h100"], kernels=TABLES)
+    with pytest.raises(InputError, match="not to the vectorised decode step"):
+        perf.decode_step_s(64, 2000)
 
 
 def test_decode_inside_the_measured_range_takes_the_low_latency_curve_per_micro_batch():

@@ -168,7 +168,9 @@ def test_low_latency_law_reproduces_its_sources():
     """DeepEP's published latency at 128 tokens; below it, the 16-token / 128-token ratio of DeepEP
     measured on 8 H100 nodes (AIConfigurator)."""
     hw = hardware("h800")
-    balanced = ExpertBalance(imbalance=1.0, nodes_per_token=4.0, slots_per_gpu=2)
+    balanced = ExpertBalance(
+        imbalance=1.0, nodes_per_token=4.0, slots_per_gpu=2, gpus_per_token=8.0
+    )
     decode = PerfModel(Deployment("decode", 16, redundant_experts=0), hw, balance=balanced)
     at_128 = decode._a2a_low_latency(128.0)
     at_16 = decode._a2a_low_latency(16.0)

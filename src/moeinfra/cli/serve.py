@@ -672,7 +672,9 @@ def model_cmd(
         phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
     )
     if cal is None:
-        tables = None if kernels == "first-principles" else KernelTables.aiconfigurator(hardware)
+        tables = (
+            None if kernels == "first-principles" else KernelTables.aiconfigurator(hw_spec.name)
+        )
         perf = PerfModel(dep, hw_spec, kernels=tables)
     else:
         if nodes is None and phase in cal.units:

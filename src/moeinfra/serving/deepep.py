@@ -14,10 +14,10 @@ From a point at ``N`` nodes: the bytes that crossed the NIC were ``(N - 1) / N``
 over NVLink were ``gpus_per_token / nodes_per_token`` times the logical ones (one row per
 destination GPU, DeepEP's ``nvl_recv_bytes``), both fan-outs under the test's routing
 (:func:`bench_routing_fanout`). A link's efficiency is the fastest it was seen going
-(:func:`derived_efficiency`): the NIC at 2-of-4 and 8 nodes (~44 of 50 GB/s; EP16's 21.5 GB/s
-over the NIC is far below it) and NVLink at 2 nodes (141 of 160 GB/s). A kernel then takes the
-longer of its two stages, which reproduces the published EP16 and EP64 figures and EP32's within
-3% (``tests/serving/test_deepep.py``), and says where a faster NVLink (H100's 450 GB/s) helps:
+(:func:`derived_efficiency`): the NIC at 8 nodes (44.6 of 50 GB/s; 43.5 at 4 nodes, and EP16's
+21.5 far below both) and NVLink at 2 nodes (140 of 160 GB/s). A kernel then takes the
+longer of its two stages, which gives back the EP16 and EP64 figures (they set the efficiencies)
+and predicts EP32's within 3% (``tests/serving/test_deepep.py``), and says where a faster NVLink (H100's 450 GB/s) helps:
 at 2 nodes, where H800's NVLink is the bottleneck.
 
 DeepEP's low-latency kernels are published at 128 tokens per GPU only. How their time falls with
@@ -32,6 +32,8 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
+
+from moeinfra.errors import InputError
 
 #: DeepEP normal kernels on H800, logical RDMA GB/s (dispatch FP8, combine BF16) by EP degree.
 DEEPEP_NORMAL_H800_GB_PER_S: dict[int, tuple[float, float]] = {
@@ -64,7 +66,12 @@ def bench_routing_fanout(
 ) -> tuple[float, float]:
     """Mean distinct (nodes, GPUs) a token reaches under DeepEP's test routing: scores
     ``|N(0, 1)| + 1`` per expert, the ``min(nodes, 4)`` nodes with the highest expert score, the
-    top ``topk`` experts among them (one node = one group), on ``tokens`` seeded tokens."""
+    top ``topk`` experts among them (one node = one group), on ``tokens`` seeded tokens. The
+    experts must split evenly over the nodes' GPUs (DeepEP's test: 2, 4 or 8 nodes of 8)."""
+    if experts % (nodes * gpus_per_node):
+        raise InputError(
+            f"nodes={nodes}: {experts} experts do not split over {nodes} x {gpus_per_node} GPUs"
+        )
     rng = np.random.default_rng(seed)
     scores = np.abs(rng.standard_normal((tokens, experts))) + 1.0
     per_node = experts // nodes

@@ -109,8 +109,7 @@ class KernelTables:
         return [
             r
             for r in self.rows.get(table, [])
-            if all(r.get(k) == v for k, v in shape.items())
-            and all(r[k] == v for k, v in match.items())
+            if all(r[k] == v for k, v in (shape | match).items())
         ]
 
     def all_to_all(
@@ -125,12 +124,12 @@ class KernelTables:
         }
         if kernel == "normal":
             rows = self._rows("deepep_normal", shape, node_num=nodes)
+            sms = {r["dispatch_sms"] for r in rows}
+            use = PREFILL_COMM_SMS if PREFILL_COMM_SMS in sms else max(sms, default=0)
+            rows = [r for r in rows if r["dispatch_sms"] == use and r["combine_sms"] == use]
             if not rows:
                 return None
-            sms = {r["dispatch_sms"] for r in rows}
-            use = PREFILL_COMM_SMS if PREFILL_COMM_SMS in sms else max(sms)
-            rows = [r for r in rows if r["dispatch_sms"] == use and r["combine_sms"] == use]
-            what = f"DeepEP normal, {nodes} node(s), {use} SMs, {self.system}"
+            what = f"DeepEP normal, {nodes} node(s), {use} SMs, {_measured_on(rows, self.system)}"
             times = [
                 (r["num_token"], r["dispatch_transmit_us"] + r["dispatch_notify_us"],
                  r["combine_transmit_us"] + r["combine_notify_us"])
@@ -140,7 +139,7 @@ class KernelTables:
             rows = self._rows("deepep_low_latency", shape, node_num=nodes)
             if not rows:
                 return None
-            what = f"DeepEP low-latency, {nodes} node(s), {self.system}"
+            what = f"DeepEP low-latency, {nodes} node(s), {_measured_on(rows, self.system)}"
             times = [(r["num_token"], r["dispatch_avg_t_us"], r["combine_avg_t_us"]) for r in rows]
         return _curve(times, 1, what), _curve(times, 2, what)
 
@@ -157,9 +156,16 @@ class KernelTables:
         )  # fmt: skip
         if not rows:
             return None
-        what = f"grouped MoE GEMMs, EP{ep}, uniform routing, {self.system}"
+        what = f"grouped MoE GEMMs, EP{ep}, uniform routing, {_measured_on(rows, self.system)}"
         times = [(r["num_tokens"] / ep, r["latency"] * 1e3) for r in rows]
         return _curve(times, 1, what)
+
+
+def _measured_on(rows: list[dict], system: str) -> str:
+    """The devices the rows were measured on, as the table records them (AIConfigurator fills a
+    system's gaps with other devices' rows), and the table's system."""
+    devices = sorted({str(r.get("device", "?")) for r in rows})
+    return f"{' / '.join(devices)} ({system} table)"
 
 
 def _curve(times: list[tuple], column: int, what: str) -> Curve:

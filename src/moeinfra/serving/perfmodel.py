@@ -271,7 +271,8 @@ class PerfModel:
     ``kv_tokens_per_gpu`` fixes the KV-cache capacity (an engine's configured blocks) instead of
     deriving it from HBM left after the weights. ``kernels``: measured kernel tables whose
     all-to-all and routed-expert times replace the first-principles ones in
-    :meth:`prefill_breakdown` and :meth:`decode_breakdown` where they cover the unit.
+    :meth:`prefill_breakdown` and :meth:`decode_breakdown` where they cover the unit
+    (:meth:`decode_step_s`, the simulator's, refuses them).
     """
 
     def __init__(
@@ -594,10 +595,9 @@ class PerfModel:
         if curve is None:
             out["routed"] = OpTime(first, "first-principles", f"no measured EP{self.gpus} MoE")
         else:
-            # the table holds a mean GPU on all SMs; the part is the heaviest GPU on its SM share
-            k = self.balance.imbalance / sm_fraction
-            at = curve.at(tokens, first / k)
-            out["routed"] = replace(at, seconds=at.seconds * k)
+            # the heaviest GPU's tokens, measured on all SMs; the part runs on its SM share
+            at = curve.at(heaviest, first * sm_fraction)
+            out["routed"] = replace(at, seconds=at.seconds / sm_fraction)
         kernel = "normal" if phase == "prefill" else "low_latency"
         curves = self.kernels.all_to_all(kernel, self.dep.nodes, shape) if self.gpus > 1 else None
         for name, first_s, i in (("dispatch", float(dispatch), 0), ("combine", float(combine), 1)):
@@ -651,6 +651,11 @@ class PerfModel:
         The step is paced by the slowest DP rank: it holds ``request_imbalance`` x the mean request
         count and ``kv_imbalance`` x the mean KV tokens (from the decode load balancer).
         """
+        if self.kernels is not None:
+            raise InputError(
+                "measured kernel tables apply to one step's breakdown (serve model), not to the "
+                "vectorised decode step of simulate, plan and frontier"
+            )
         b = np.maximum(np.asarray(batch_per_gpu, dtype=np.float64), 1e-9) * request_imbalance
         kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
         m = self.model

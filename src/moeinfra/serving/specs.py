@@ -239,7 +239,7 @@ class ExpertBalance:
     imbalance: float
     nodes_per_token: float
     slots_per_gpu: int
-    gpus_per_token: float = 8.0
+    gpus_per_token: float
     summary: dict = field(default_factory=dict)
 
 
