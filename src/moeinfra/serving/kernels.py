@@ -21,7 +21,7 @@ stays first-principles.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +159,44 @@ class KernelTables:
         what = f"grouped MoE GEMMs, EP{ep}, uniform routing, {_measured_on(rows, self.system)}"
         times = [(r["num_tokens"] / ep, r["latency"] * 1e3) for r in rows]
         return _curve(times, 1, what)
+
+    def moe_parts(
+        self,
+        phase: str,
+        nodes: int,
+        gpus: int,
+        shape: dict[str, int],
+        *,
+        heaviest_tokens: float,
+        sm_fraction: float,
+        first_principles: dict[str, float],
+    ) -> dict[str, OpTime]:
+        """Routed experts, dispatch and combine of one micro-batch of a ``phase`` unit (``nodes``
+        nodes, ``gpus`` GPUs) whose heaviest GPU handles ``heaviest_tokens``: measured or
+        interpolated where a table covers it, else ``first_principles[part]`` with the reason."""
+        out: dict[str, OpTime] = {}
+        first = float(first_principles["routed"])
+        curve = self.routed_experts(phase, gpus, shape)
+        if curve is None:
+            out["routed"] = OpTime(first, "first-principles", f"no measured EP{gpus} MoE")
+        else:
+            # measured on all SMs; in the step the experts run on their share of the SMs
+            at = curve.at(heaviest_tokens, first * sm_fraction)
+            out["routed"] = replace(at, seconds=at.seconds / sm_fraction)
+        kernel = "normal" if phase == "prefill" else "low_latency"
+        curves = self.all_to_all(kernel, nodes, shape) if gpus > 1 else None
+        for i, name in enumerate(("dispatch", "combine")):
+            first = float(first_principles[name])
+            if gpus == 1:
+                out[name] = OpTime(first, "first-principles", "one GPU: no all-to-all")
+            elif curves is None:
+                what = kernel.replace("_", "-")
+                out[name] = OpTime(
+                    first, "first-principles", f"no measured {nodes}-node DeepEP {what}"
+                )
+            else:
+                out[name] = curves[i].at(heaviest_tokens, first)
+        return out
 
 
 def _measured_on(rows: list[dict], system: str) -> str:

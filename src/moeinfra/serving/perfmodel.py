@@ -18,7 +18,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.deepep import derived_efficiency, ll_fixed_share, normal_seconds_per_row
-from moeinfra.serving.kernels import KernelTables, OpTime
+from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
@@ -581,38 +581,23 @@ class PerfModel:
         source; unchanged (and no sources) without tables."""
         if self.kernels is None:
             return routed, dispatch, combine, {}
-        m, phase = self.model, self.dep.phase
-        shape = {
-            "hidden": m.hidden,
-            "topk": m.experts_per_token,
-            "experts": m.num_routed_experts,
-            "inter": m.moe_intermediate,
-        }
-        heaviest = tokens * self.balance.imbalance
-        out: dict[str, OpTime] = {}
-        curve = self.kernels.routed_experts(phase, self.gpus, shape)
-        first = float(routed)
-        if curve is None:
-            out["routed"] = OpTime(first, "first-principles", f"no measured EP{self.gpus} MoE")
-        else:
-            # the heaviest GPU's tokens, measured on all SMs; the part runs on its SM share
-            at = curve.at(heaviest, first * sm_fraction)
-            out["routed"] = replace(at, seconds=at.seconds / sm_fraction)
-        kernel = "normal" if phase == "prefill" else "low_latency"
-        curves = self.kernels.all_to_all(kernel, self.dep.nodes, shape) if self.gpus > 1 else None
-        for name, first_s, i in (("dispatch", float(dispatch), 0), ("combine", float(combine), 1)):
-            if self.gpus == 1:
-                out[name] = OpTime(first_s, "first-principles", "one GPU: no all-to-all")
-            elif curves is None:
-                out[name] = OpTime(
-                    first_s,
-                    "first-principles",
-                    f"no measured {self.dep.nodes}-node DeepEP {kernel.replace('_', '-')}",
-                )
-            else:
-                out[name] = curves[i].at(heaviest, first_s)
-        sources = {name: t.label for name, t in out.items()}
-        return out["routed"].seconds, out["dispatch"].seconds, out["combine"].seconds, sources
+        m = self.model
+        times = self.kernels.moe_parts(
+            self.dep.phase,
+            self.dep.nodes,
+            self.gpus,
+            {
+                "hidden": m.hidden,
+                "topk": m.experts_per_token,
+                "experts": m.num_routed_experts,
+                "inter": m.moe_intermediate,
+            },
+            heaviest_tokens=tokens * self.balance.imbalance,
+            sm_fraction=sm_fraction,
+            first_principles={"routed": routed, "dispatch": dispatch, "combine": combine},
+        )
+        sources = {name: t.label for name, t in times.items()}
+        return times["routed"].seconds, times["dispatch"].seconds, times["combine"].seconds, sources
 
     def _decode_parts(self, b, kv, queries: int = 1):
         """Per micro-batch parts of a decode step of ``b`` requests per GPU, each with ``queries``
