@@ -56,7 +56,7 @@ def build(out_dir: Path) -> Section:
         "speed is where the model and DeepSeek's figure differ: the model gives a decode step of "
         f"about {d['tpot_s'].get('p50', float('nan')) * 1e3:.0f} ms at the batch the published "
         f"throughput implies, so {d['mean_output_tokens_per_s']:.1f} tokens/s against the "
-        "published 20-22; against independent measurements of such deployments it is 7-30% "
+        "published 20-22; against independent measurements of such deployments it is 8-30% "
         "optimistic too (see docs/serving-model.md).</p>",
         f"<p>Requests: {req['completed']:,.0f} completed, {req['running']:,.0f} still running at "
         f"the end, {req['rejected']:,.0f} rejected. TTFT p50/p95 "

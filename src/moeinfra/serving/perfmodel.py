@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from moeinfra.errors import InputError
-from moeinfra.serving.deepep import derived_efficiency, ll_fixed_share, normal_seconds_per_row
+from moeinfra.serving import deepep
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
@@ -126,8 +126,10 @@ class Efficiency:
     memory: float = 3000.0 / 3350.0
     nvlink: float = 153.0 / 160.0
     prefill_compute_sms: float = 108.0 / 132.0
-    rdma_normal: tuple[float, float] = field(default_factory=lambda: derived_efficiency()[0])
-    nvlink_normal: tuple[float, float] = field(default_factory=lambda: derived_efficiency()[1])
+    rdma_normal: tuple[float, float] = field(default_factory=lambda: deepep.derived_efficiency()[0])
+    nvlink_normal: tuple[float, float] = field(
+        default_factory=lambda: deepep.derived_efficiency()[1]
+    )
     ll_latency_us_128: dict[int, tuple[float, float]] = field(
         default_factory=lambda: {
             8: (77.0, 114.0),
@@ -138,7 +140,7 @@ class Efficiency:
             256: (194.0, 360.0),
         }
     )
-    ll_fixed_share: tuple[float, float] = field(default_factory=ll_fixed_share)
+    ll_fixed_share: tuple[float, float] = field(default_factory=deepep.ll_fixed_share)
     comm_launch_s: float = 10e-6
     step_overhead_s: float = 3.5e-3
     memory_usable: float = 0.9
@@ -305,7 +307,7 @@ class PerfModel:
         # (dispatch, combine) normal-kernel seconds per row across nodes, low-latency seconds
         # for 128 tokens
         self._normal_s_per_row = tuple(
-            normal_seconds_per_row(
+            deepep.normal_seconds_per_row(
                 dep.nodes,
                 self.balance.nodes_per_token,
                 self.balance.gpus_per_token,
