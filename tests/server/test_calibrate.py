@@ -16,6 +16,10 @@ from moeinfra.server import bench
 from moeinfra.server.calibrate import calibrate_live, compare, predict_replay
 from moeinfra.serving.calibration import efficiency_with, load_calibration, predict_seconds
 
+# the calibration and the replay it predicts must see the same machine: with another test worker
+# beside them, its load changed between the two (CI, 2026-11-26: TTFT predicted 1.6x the replay's)
+pytestmark = pytest.mark.alone
+
 
 @pytest.fixture(scope="module")
 def calibration(server, tmp_path_factory):
@@ -81,8 +85,8 @@ def test_calibrated_simulator_predicts_a_live_replay(server, calibration, tmp_pa
             and abs(rows["output tokens/s"]) < 0.25
         )
 
-    # the server shares this 2-core machine with the other test worker, whose load can change
-    # between calibration and replay: a second replay is taken before the bands are judged
+    # the server's own processes share the 2 cores with this test: a second replay is taken before
+    # the bands are judged
     for _attempt in range(2):
         results, wall = asyncio.run(bench.replay(server.url, requests))
         live = bench.summarize(results, wall)
