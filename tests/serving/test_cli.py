@@ -87,12 +87,19 @@ def test_plan_json(tmp_path):
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["prefill"]["meets_slo"] and payload["decode"]["meets_slo"]
-    assert payload["decode"]["metric_s"] <= 0.05
-    assert payload["prefill"]["metric_s"] <= 2.0
-    cheapest = min(
-        o["cost_usd"] for o in payload["options"] if o["phase"] == "decode" and o["meets_slo"]
+    assert payload["decode"]["tpot_p95_s"] <= 0.05
+    assert payload["prefill"]["ttft_p95_s"] <= 2.0
+    for phase in ("prefill", "decode", "colocated"):
+        cheapest = min(
+            o["cost_usd"] for o in payload["options"] if o["phase"] == phase and o["meets_slo"]
+        )
+        assert payload[phase]["cost_usd"] == cheapest
+    # the chosen kind of fleet is the cheaper one
+    disaggregated = payload["prefill"]["cost_usd"] + payload["decode"]["cost_usd"]
+    assert payload["cost_usd"] == min(disaggregated, payload["colocated"]["cost_usd"])
+    assert payload["mode"] == (
+        "aggregated" if payload["colocated"]["cost_usd"] < disaggregated else "disaggregated"
     )
-    assert payload["decode"]["cost_usd"] == cheapest
 
 
 def test_model_json_and_table():

@@ -9,7 +9,7 @@ import pytest
 
 from moeinfra.errors import InputError
 from moeinfra.serving.perfmodel import PerfModel
-from moeinfra.serving.planner import plan_capacity
+from moeinfra.serving.planner import Shape, plan_capacity
 from moeinfra.serving.scenario import build_scenario
 from moeinfra.serving.specs import Deployment, hardware
 from moeinfra.serving.workload import generate
@@ -71,10 +71,14 @@ def test_simulate_plan_and_model_refuse_or_leave_out_a_unit_that_does_not_fit(tm
         day,
         slo_ttft_p95_s=3.0,
         slo_tpot_p95_s=0.1,
-        prefill_candidates=((4, 32), (2, 0)),
-        decode_candidates=((18, 32), (1, 0)),
+        shapes=[
+            Shape("prefill", 4, 32),
+            Shape("prefill", 2, 0),
+            Shape("decode", 18, 32),
+            Shape("decode", 1, 0),
+        ],
     )
-    assert {(o.phase, o.nodes) for o in plan.options} == {("prefill", 4), ("decode", 18)}
+    assert {(o.phase, o.shape.nodes) for o in plan.options} == {("prefill", 4), ("decode", 18)}
     assert len(plan.unfit) == 2 and all("does not fit" in why for why in plan.unfit)
     assert plan.to_dict()["unfit"] == list(plan.unfit)
     done = subprocess.run(

@@ -354,20 +354,19 @@ def test_bad_inputs():
 
 
 def test_planner_finds_fewer_units_for_less_traffic():
-    from moeinfra.serving.planner import plan_capacity
+    from moeinfra.serving.planner import Shape, plan_capacity
 
     light = small_workload(rate=5.0, hours=0.05, seed=3)
     heavy = small_workload(rate=400.0, hours=0.05, seed=3)
     kw = dict(
         slo_ttft_p95_s=1.0,
         slo_tpot_p95_s=0.05,
-        prefill_candidates=((4, 32),),
-        decode_candidates=((4, 32),),
+        shapes=[Shape("prefill", 4, 32), Shape("decode", 4, 32)],
     )
     small, big = plan_capacity(light, **kw), plan_capacity(heavy, **kw)
     assert small.nodes < big.nodes
     assert big.prefill.meets_slo and big.decode.meets_slo
-    assert big.prefill.metric_s <= 1.0 and big.decode.metric_s <= 0.05
+    assert big.prefill.ttft_p95_s <= 1.0 and big.decode.tpot_p95_s <= 0.05
     with pytest.raises(InputError, match="slo_ttft_p95_s"):
         plan_capacity(light, slo_ttft_p95_s=0, slo_tpot_p95_s=0.05)
 

@@ -15,7 +15,7 @@ import pytest
 from moeinfra.errors import InputError
 from moeinfra.serving.calibration import StepPoint, load_calibration
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, TIME_TERMS, Efficiency, PerfModel
-from moeinfra.serving.planner import plan_capacity
+from moeinfra.serving.planner import Shape, plan_capacity
 from moeinfra.serving.scenario import build_scenario
 from moeinfra.serving.specs import Deployment, hardware
 from moeinfra.serving.uncertainty import (
@@ -133,8 +133,7 @@ def test_slower_steps_never_plan_a_cheaper_fleet():
     args = dict(
         slo_ttft_p95_s=2.0,
         slo_tpot_p95_s=0.06,
-        prefill_candidates=((4, 32),),
-        decode_candidates=((4, 32),),
+        shapes=[Shape("prefill", 4, 32), Shape("decode", 4, 32)],
     )
     plans = [plan_capacity(workload, **args, time_scale=(k, k)) for k in (0.8, 1.0, 1.6)]
     nodes = [plan_figures(p)["nodes"] for p in plans]
@@ -186,11 +185,12 @@ def test_plan_reports_ranges(tmp_path):
     trace.write_text("\n".join(rows) + "\n")
     plan = cli(
         "plan", "--workload", str(trace), "--slo-ttft-p95", "6s", "--slo-tpot", "90ms",
-        "--calibration", "sglang-h100",
+        "--calibration", "sglang-h100", "--modes", "disaggregated", "--prefill-nodes", "4",
+        "--decode-nodes", "4,8", "--micro-batches", "2",
     )  # fmt: skip
     r = plan["ranges"]
     assert r["nodes"][0] <= plan["nodes"] <= r["nodes"][1]
-    assert r["ttft_p95_s"][0] < plan["prefill"]["metric_s"] < r["ttft_p95_s"][1]
+    assert r["ttft_p95_s"][0] < plan["ttft_p95_s"] < r["ttft_p95_s"][1]
     assert set(plan["step_time_bounds"]) == {"fast", "slow"}
 
 

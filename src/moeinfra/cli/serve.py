@@ -400,9 +400,31 @@ def simulate_cmd(
     )
 
 
+def _node_list(text: str, option: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise InputError(f"{option}={text!r} must be whole numbers >= 1, comma-separated")
+    return tuple(sorted({int(p) for p in parts}))
+
+
 @app.command("plan")
 def plan_cmd(
-    workload: Path = typer.Option(..., "--workload", help="Trace (.jsonl or .csv)."),
+    workload: Path | None = typer.Option(
+        None,
+        "--workload",
+        help="Trace (.jsonl or .csv). Default: --demand, else DeepSeek's generated day "
+        "(--hours from its start, 12:00 UTC+8).",
+    ),
+    demand: float | None = typer.Option(
+        None,
+        "--demand",
+        help="Steady demand in output tokens/s (Poisson arrivals, DeepSeek's published lengths "
+        "and cache hits) for --hours.",
+    ),
+    hours: float = typer.Option(1.0, "--hours", help="Hours of --demand or the generated day."),
+    scale: float = typer.Option(
+        100.0, "--scale", help="--demand or generated day: real requests per simulated one."
+    ),
     slo_ttft_p95: str = typer.Option(
         "2s",
         "--slo-ttft-p95",
@@ -415,6 +437,33 @@ def plan_cmd(
         metavar="DURATION",
         help="Time per output token p95 target with a unit (us, ms, s): 50ms or 0.05s.",
     ),
+    modes: str = typer.Option(
+        "disaggregated,aggregated",
+        "--modes",
+        help="Fleets to search: disaggregated (prefill + decode units), aggregated (units doing "
+        "both), comma-separated.",
+    ),
+    prefill_nodes: str = typer.Option("1,2,4,8", "--prefill-nodes", help="Nodes per prefill unit."),
+    decode_nodes: str = typer.Option(
+        "1,2,4,8,16,18,32", "--decode-nodes", help="Nodes per decode unit."
+    ),
+    colocated_nodes: str = typer.Option(
+        "1,2,4,8,16,18", "--colocated-nodes", help="Nodes per aggregated unit."
+    ),
+    micro_batches: str = typer.Option(
+        "1,2", "--micro-batches", help="Micro-batch counts to try (2: dual micro-batch overlap)."
+    ),
+    mtp: float = typer.Option(
+        0.0,
+        "--mtp",
+        help="Also try decoding with multi-token prediction accepting this share of drafts "
+        "(DeepSeek-V3: 0.85-0.9); 0: only without.",
+    ),
+    max_batch_per_gpu: str = typer.Option(
+        "",
+        "--max-batch-per-gpu",
+        help="Also try decode batch limits (requests per GPU), comma-separated; no limit always.",
+    ),
     hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
     gpu_hour_usd: float | None = typer.Option(
         None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's)."
@@ -426,9 +475,11 @@ def plan_cmd(
     demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for plan.json and plan.png."),
 ) -> None:
-    """Cheapest fixed fleet (units and EP degree / redundant experts) meeting the SLOs."""
-    from moeinfra.serving.planner import plan_capacity
+    """Cheapest fixed fleet meeting the SLOs, searched over unit shapes (nodes and EP degree,
+    redundant experts, micro-batches, MTP, batch limits), disaggregated or aggregated."""
+    from moeinfra.serving.planner import candidate_shapes, plan_capacity
     from moeinfra.serving.specs import priced_hardware
     from moeinfra.serving.uncertainty import (
         has_spread,
@@ -437,15 +488,62 @@ def plan_cmd(
         ranges,
         step_time_bounds,
     )
+    from moeinfra.serving.workload import constant_demand, deepseek_day
 
     slo_ttft_s = parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
     slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
     check_positive(demand_scale, "--demand-scale")
+    check_positive(scale, "--scale")
+    if not (np.isfinite(hours) and 0 < hours <= 24):
+        raise InputError(f"--hours={hours} must be in (0, 24]")
+    if workload is not None and demand is not None:
+        raise InputError("--workload and --demand: give one (or neither: DeepSeek's day)")
+    chosen_modes = tuple(m.strip() for m in modes.split(","))
+    mbs = _node_list(micro_batches, "--micro-batches")
+    if not set(mbs) <= {1, 2}:
+        raise InputError(f"--micro-batches={micro_batches!r}: allowed 1, 2 or 1,2")
+    if not 0.0 <= mtp < 1.0:
+        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
+    limits = []
+    for part in filter(None, (p.strip() for p in max_batch_per_gpu.split(","))):
+        try:
+            limits.append(float(part))
+        except ValueError:
+            limits.append(float("nan"))
+        if not (np.isfinite(limits[-1]) and limits[-1] > 0):
+            raise InputError(
+                f"--max-batch-per-gpu={max_batch_per_gpu!r} must be numbers > 0, comma-separated"
+            )
+    if out is not None:
+        output_folder(out, "--out")
     hw = priced_hardware(hardware, gpu_hour_usd)
+    shapes = candidate_shapes(
+        modes=chosen_modes,
+        nodes={
+            "prefill": _node_list(prefill_nodes, "--prefill-nodes"),
+            "decode": _node_list(decode_nodes, "--decode-nodes"),
+            "colocated": _node_list(colocated_nodes, "--colocated-nodes"),
+        },
+        micro_batches=mbs,
+        mtp_acceptance=mtp,
+        max_batch_per_gpu=tuple(limits),
+        gpus_per_node=hw.gpus_per_node,
+    )
     cal = _calibration(calibration)
-    trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
-    args = dict(slo_ttft_p95_s=slo_ttft_s, slo_tpot_p95_s=slo_tpot_s, hw=hw, calibration=cal)
+    if workload is not None:
+        trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
+        source = str(workload)
+    elif demand is not None:
+        check_positive(demand, "--demand")
+        trace = constant_demand(demand * demand_scale, hours, scale)
+        source = f"{demand * demand_scale:,.0f} output tokens/s"
+    else:
+        trace = deepseek_day(scale=scale, hours=hours, demand_scale=demand_scale)
+        source = f"DeepSeek's day, first {hours:g} h"
+    args = dict(
+        slo_ttft_p95_s=slo_ttft_s, slo_tpot_p95_s=slo_tpot_s, hw=hw, calibration=cal, shapes=shapes
+    )
     result = plan_capacity(trace, **args)
     bounds = step_time_bounds(cal) if cal is not None else {}
     bound_figures = []
@@ -456,37 +554,95 @@ def plan_cmd(
             bound = dict.fromkeys(plan_figures(result))
         bound_figures.append(bound)
     payload = result.to_dict() | {
+        "workload": source,
+        "slo": {"ttft_p95_s": slo_ttft_s, "tpot_p95_s": slo_tpot_s},
         "calibration": _calibration_summary(cal),
         "ranges": None if cal is None else ranges(plan_figures(result), *bound_figures),
         "range_method": range_method(cal is not None, bool(bound_figures))
         + ("" if cal is None else "; null: at that bound no candidate meets the SLOs"),
         "step_time_bounds": bounds or None,
     }
+    if out is not None:
+        from moeinfra.atomicio import write_text_atomic
+        from moeinfra.serving.figures import plot_plan
+
+        write_text_atomic(out / "plan.json", json.dumps(payload, indent=1))
+        plot_plan(result, out / "plan.png")
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    table = Table(title=f"candidates for {workload} ({payload['hours']:.2f} h)")
-    for col in ("phase", "nodes/unit", "redundant", "units", "p95 (s)", "meets SLO", "cost USD"):
+    _print_plan(result, source, payload, bound_figures)
+
+
+def _print_plan(result, source: str, payload: dict, bound_figures: list) -> None:
+    def ms(value):
+        return "-" if value is None else f"{value * 1e3:,.0f}"
+
+    table = Table(
+        title=f"shapes searched for {source} ({payload['hours']:.2f} h); p95 figures, "
+        "both: aggregated units, R: redundant experts, mb: micro-batches"
+    )
+    shapes = [o.shape for o in result.options]
+    with_mtp = any(s.mtp_acceptance for s in shapes)
+    with_limit = any(s.max_batch_per_gpu is not None for s in shapes)
+    table.add_column("phase", no_wrap=True)
+    for col in (
+        "nodes", "R", "mb", *(("MTP",) if with_mtp else ()), *(("limit",) if with_limit else ()),
+        "units", "TTFT ms", "TPOT ms", "SLOs", "USD",
+    ):  # fmt: skip
         table.add_column(col, justify="right")
-    for o in result.options:
+    pruned = 0
+    for o in sorted(result.options, key=lambda o: (o.phase, o.cost_usd)):
+        if not o.searched:
+            pruned += 1
+            continue
+        s = o.shape
         table.add_row(
-            o.phase,
-            str(o.nodes),
-            str(o.redundant_experts),
+            "both" if s.phase == "colocated" else s.phase,
+            str(s.nodes),
+            str(s.redundant_experts),
+            str(s.micro_batches),
+            *((f"{s.mtp_acceptance:g}" if s.mtp_acceptance else "off",) if with_mtp else ()),
+            *(
+                ("none" if s.max_batch_per_gpu is None else f"{s.max_batch_per_gpu:g}",)
+                if with_limit
+                else ()
+            ),
             str(o.units),
-            f"{o.metric_s:.4f}",
-            "yes" if o.meets_slo else "no",
+            ms(o.ttft_p95_s),
+            ms(o.tpot_p95_s),
+            "met" if o.meets_slo else "missed",
             f"{o.cost_usd:,.2f}",
         )
     console = Console()
     console.print(table)
-    for reason in result.unfit:
-        console.print(f"left out: {reason}")
-    console.print(
-        f"cheapest: {result.prefill.units} x {result.prefill.nodes}-node prefill + "
-        f"{result.decode.units} x {result.decode.nodes}-node decode = {result.nodes} nodes, "
-        f"${result.cost_usd:,.2f}"
+    if pruned:
+        console.print(
+            f"{pruned} more shapes not simulated: their lower bound already costs more than the "
+            "best found (--json lists them)"
+        )
+    if result.unfit:
+        console.print(
+            f"left out {len(result.unfit)} shapes that do not fit in HBM, e.g. {result.unfit[0]}"
+        )
+    if result.mode == "aggregated":
+        c = result.colocated
+        fleet = f"{c.units} x {c.shape.nodes}-node aggregated units"
+    else:
+        p, d = result.prefill, result.decode
+        fleet = (
+            f"{p.units} x {p.shape.nodes}-node prefill + {d.units} x {d.shape.nodes}-node decode"
+        )
+    other = (
+        f"; the best aggregated fleet costs ${result.colocated.cost_usd:,.2f}"
+        if result.mode == "disaggregated" and result.colocated is not None
+        else (
+            f"; the best disaggregated fleet costs ${result.disaggregated_cost_usd:,.2f}"
+            if result.mode == "aggregated" and np.isfinite(result.disaggregated_cost_usd)
+            else ""
+        )
     )
+    console.print(f"cheapest: {fleet} = {result.nodes} nodes, ${result.cost_usd:,.2f}{other}")
     if bound_figures:
         (n_lo, n_hi), (c_lo, c_hi) = payload["ranges"]["nodes"], payload["ranges"]["cost_usd"]
         console.print(

@@ -278,3 +278,56 @@ def frontier_figure(frontier, published: dict | None = None, title: str = ""):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower left")
     return fig
+
+
+PHASE_COLOURS = {"prefill": "tab:blue", "decode": "tab:orange", "colocated": "tab:green"}
+
+
+def plot_plan(plan, path: Path, title: str = "") -> Path:
+    """:func:`plan_figure`, written to ``path`` (PNG)."""
+    return _save(plan_figure(plan, title), path)
+
+
+def plan_figure(plan, title: str = ""):
+    """Every shape the planner tried, by phase, as the cost of the fewest units meeting its SLOs:
+    solid where they do, hatched where no unit count up to the limit does, an outline at the lower
+    bound where it was pruned; the chosen fleet's shapes edged in black."""
+    chosen = [plan.colocated] if plan.mode == "aggregated" else [plan.prefill, plan.decode]
+    order = {"prefill": 0, "decode": 1, "colocated": 2}
+    rows = sorted(plan.options, key=lambda o: (order[o.phase], o.cost_usd))
+    fig, ax = plt.subplots(figsize=(8.5, 0.25 * len(rows) + 1.4))
+    labels = []
+    for y, o in enumerate(rows):
+        colour = PHASE_COLOURS[o.phase]
+        picked = any(o is c for c in chosen)
+        kwargs = {"color": colour, "edgecolor": "black" if picked else colour}
+        if not o.searched:
+            kwargs |= {"fill": False, "linestyle": ":"}
+        elif not o.meets_slo:
+            kwargs |= {"alpha": 0.35, "hatch": "//"}
+        ax.barh(y, o.cost_usd, lw=2.0 if picked else 0.8, **kwargs)
+        note = f"{o.units} unit{'s' if o.units > 1 else ''}"
+        note = (
+            f">= {note}, pruned" if not o.searched else note + ("" if o.meets_slo else ", misses")
+        )
+        ax.text(o.cost_usd, y, f" {note}", va="center", fontsize=7)
+        s = o.shape
+        labels.append(
+            f"{'both' if s.phase == 'colocated' else s.phase} {s.nodes} node"
+            f"{'s' if s.nodes > 1 else ''}, R{s.redundant_experts}, {s.micro_batches} mb"
+            + (f", MTP {s.mtp_acceptance:g}" if s.mtp_acceptance else "")
+            + (f", <= {s.max_batch_per_gpu:g}/GPU" if s.max_batch_per_gpu is not None else "")
+        )
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(o.cost_usd for o in rows) * 1.3)
+    ax.set_xlabel("fleet cost over the workload (USD) of the fewest units meeting the SLOs")
+    ax.set_title(
+        title
+        or f"cheapest: {plan.mode}, {plan.nodes} nodes, ${plan.cost_usd:,.2f} "
+        f"(TTFT p95 {plan.ttft_p95_s:.2f} s, TPOT p95 {plan.tpot_p95_s * 1e3:.0f} ms); "
+        "blue prefill, orange decode, green both",
+        fontsize=9,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    return fig

@@ -17,7 +17,7 @@ module as one more MoE layer, its weights and its KV cache included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -111,14 +111,13 @@ def decode_frontier(
         raise InputError(f"batches={batches} must be >= 2")
     if not 0.0 <= mtp_acceptance < 1.0:
         raise InputError(f"mtp_acceptance={mtp_acceptance} must be in [0, 1) (0: no MTP)")
-    queries = 2 if mtp_acceptance > 0 else 1
-    if queries == 2:  # the MTP module: one more MoE layer (weights, KV cache, compute)
-        model = replace(model, num_layers=model.num_layers + 1)
     points, unfit = [], []
     for n in nodes:
         redundant = fitting_redundant_experts(n, hw.gpus_per_node, model.num_routed_experts)
         for mb in micro_batches:
-            dep = Deployment("decode", n, redundant, micro_batches=mb)
+            dep = Deployment(
+                "decode", n, redundant, micro_batches=mb, mtp_acceptance=mtp_acceptance
+            )
             perf = PerfModel(dep, hw, model, eff, kv_tokens_per_gpu=kv_tokens_per_gpu)
             try:
                 perf.check_fits()
@@ -133,8 +132,8 @@ def decode_frontier(
                 )
                 continue
             batch = np.geomspace(1.0, most, batches)
-            step = np.asarray(perf.decode_step_s(batch, np.full(batches, mean_kv), queries=queries))
-            per_step = 1.0 + mtp_acceptance  # tokens a request gains per step
+            step = np.asarray(perf.decode_step_s(batch, np.full(batches, mean_kv)))
+            per_step = dep.tokens_per_step
             points += [
                 FrontierPoint(
                     n,

@@ -288,11 +288,16 @@ class PerfModel:
         kv_tokens_per_gpu: float | None = None,
         kernels: KernelTables | None = None,
     ) -> None:
+        self.gpus = dep.gpus(hw)
+        self.balance = balance if balance is not None else expert_balance(model, hw, dep)
+        # multi-token prediction: the MTP module is one more MoE layer (weights, KV, compute), and
+        # a step verifies the draft beside the next token
+        self.queries = 2 if dep.mtp_acceptance > 0 else 1
+        if self.queries == 2:
+            model = replace(model, num_layers=model.num_layers + 1)
         self.dep, self.hw, self.model, self.eff = dep, hw, model, eff
         self.kernels = kernels
         self._kv_tokens_per_gpu = kv_tokens_per_gpu
-        self.gpus = dep.gpus(hw)
-        self.balance = balance if balance is not None else expert_balance(model, hw, dep)
         # per GEMM role: (log2 rows, achieved FLOP/s on this hardware) from DeepGEMM's H800 table
         self._gemm_tables = {}
         for role in eff.gemm_tflops:
@@ -567,8 +572,9 @@ class PerfModel:
             raise InputError(
                 f"batch_per_gpu={batch_per_gpu} must be > 0 and mean_kv={mean_kv} >= 0"
             )
-        parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float))
-        nb = batch_per_gpu / self.dep.micro_batches
+        q = self.queries
+        parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float), q)
+        nb = batch_per_gpu * q / self.dep.micro_batches
         routed, dispatch, combine, sources = self._measured(nb, 1.0, *parts[3:4], *parts[6:8])
         parts = (*parts[:3], routed, *parts[4:6], dispatch, combine)
         return self._assemble(
@@ -576,7 +582,7 @@ class PerfModel:
             batch_per_gpu,
             self.dep.micro_batches,
             *parts,
-            head_tokens=batch_per_gpu,
+            head_tokens=batch_per_gpu * q,
             sources=sources,
         )
 
@@ -632,11 +638,11 @@ class PerfModel:
         return attn_proj, core, shared, routed, gate, dense, dispatch, combine
 
     def decode_step_s(
-        self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0, queries=1
+        self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0, queries=None
     ):
         """Seconds of one decode step, vectorised: ``batch_per_gpu`` and ``mean_kv`` broadcast
-        (arrays ``[units]``); ``queries`` new tokens per request per step (1; 2 verifying a
-        multi-token-prediction draft).
+        (arrays ``[units]``); ``queries`` new tokens per request per step (default the unit's: 1;
+        2 verifying a multi-token-prediction draft).
 
         The step is paced by the slowest DP rank: it holds ``request_imbalance`` x the mean request
         count and ``kv_imbalance`` x the mean KV tokens (from the decode load balancer).
@@ -646,6 +652,7 @@ class PerfModel:
                 "measured kernel tables apply to one step's breakdown (serve model), not to the "
                 "vectorised decode step of simulate, plan and frontier"
             )
+        queries = self.queries if queries is None else queries
         b = np.maximum(np.asarray(batch_per_gpu, dtype=np.float64), 1e-9) * request_imbalance
         kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
         m = self.model

@@ -1,15 +1,22 @@
-"""Capacity planner: the cheapest fixed fleet of prefill and decode units that meets the SLOs.
+"""Capacity planner: the cheapest fixed fleet meeting TTFT and TPOT SLOs, searched over unit shapes,
+disaggregated (prefill units and decode units) or aggregated (units doing both phases).
 
-TTFT depends only on the prefill side (the first token comes out of prefill) and the time per output
-token only on the decode side, so each side is searched on its own: for every candidate deployment
-(nodes per unit, redundant experts) the fewest units that meet its SLO is found by bisection over
-simulations of the workload, and the cheapest candidate of each side is kept.
+Disaggregated, TTFT depends only on the prefill side (the first token comes out of prefill) and the
+time per output token only on the decode side, so each side is searched on its own; an aggregated
+(colocated) unit must meet both at once. For every candidate shape the fewest units meeting its
+SLO(s) with no rejection is found by doubling from a lower bound, then bisection, each probe a
+simulation of the workload. The lower bound is the busiest five minutes' work at full utilisation
+and the unit's fastest rate per token (prefill at its nominal step, decode at the largest batch its
+KV cache or batch limit allows), so no fleet of fewer units can carry it. Candidates are searched
+cheapest lower bound first, and one whose lower bound already costs at least the best found (for
+its side; for an aggregated unit, the best fleet of either kind) is not simulated: it is pruned.
+Between fleets of equal cost, the one with more headroom under its SLOs wins.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -19,76 +26,289 @@ from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.scenario import decode_seconds_per_token
 from moeinfra.serving.schedule import constant_schedule
 from moeinfra.serving.simulate import REJECTED, SimConfig, json_ready, simulate
-from moeinfra.serving.specs import DEEPSEEK_V3, Deployment, HardwareSpec, ModelSpec, hardware
+from moeinfra.serving.specs import (
+    DEEPSEEK_V3,
+    Deployment,
+    HardwareSpec,
+    ModelSpec,
+    fitting_redundant_experts,
+    hardware,
+)
 from moeinfra.serving.workload import Workload
 
-#: (nodes per unit, redundant experts) candidates; each must spread 256 + R slots evenly on its GPUs.
-PREFILL_CANDIDATES = ((4, 32), (4, 0), (2, 0))
-DECODE_CANDIDATES = ((18, 32), (16, 0), (8, 64), (4, 32))
+PHASES = ("prefill", "decode", "colocated")
+MODES = ("disaggregated", "aggregated")
+#: nodes per unit searched by default, per phase (which hold the model depends on the GPU's HBM)
+DEFAULT_NODES = {
+    "prefill": (1, 2, 4, 8),
+    "decode": (1, 2, 4, 8, 16, 18, 32),
+    "colocated": (1, 2, 4, 8, 16, 18),
+}
 
 
 @dataclass(frozen=True)
-class SideOption:
-    """One candidate of one side: ``units`` units of ``nodes`` nodes, and what it achieved."""
+class Shape:
+    """One candidate unit: ``phase`` prefill, decode or colocated (both phases on the same GPUs)."""
 
     phase: str
     nodes: int
     redundant_experts: int
+    micro_batches: int = 2
+    mtp_acceptance: float = 0.0
+    max_batch_per_gpu: float | None = None
+
+    def deployments(self) -> tuple[Deployment | None, Deployment | None]:
+        """(prefill, decode) deployments of this shape (None for the phase it does not run)."""
+        prefill = Deployment("prefill", self.nodes, self.redundant_experts, self.micro_batches)
+        decode = Deployment(
+            "decode",
+            self.nodes,
+            self.redundant_experts,
+            self.micro_batches,
+            mtp_acceptance=self.mtp_acceptance,
+            max_batch_per_gpu=self.max_batch_per_gpu,
+        )
+        return (
+            prefill if self.phase != "decode" else None,
+            decode if self.phase != "prefill" else None,
+        )
+
+    def describe(self) -> str:
+        extras = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}"]
+        if self.mtp_acceptance:
+            extras.append(f"MTP {self.mtp_acceptance:g}")
+        if self.max_batch_per_gpu is not None:
+            extras.append(f"at most {self.max_batch_per_gpu:g} requests per GPU")
+        return (
+            f"{self.nodes}-node {self.phase} unit, {self.redundant_experts} redundant experts, "
+            + ", ".join(extras)
+        )
+
+
+def candidate_shapes(
+    *,
+    modes: tuple[str, ...] = MODES,
+    nodes: dict[str, tuple[int, ...]] | None = None,
+    micro_batches: tuple[int, ...] = (1, 2),
+    mtp_acceptance: float = 0.0,
+    max_batch_per_gpu: tuple[float, ...] = (),
+    gpus_per_node: int = 8,
+    routed_experts: int = 256,
+) -> list[Shape]:
+    """Every shape to search: per phase of ``modes`` and nodes per unit, the redundant experts that
+    spread evenly (none, where the routed experts divide over the GPUs, and the fewest >= 32), each
+    micro-batch count; decoding shapes also with MTP at ``mtp_acceptance`` (when > 0) and each
+    batch limit of ``max_batch_per_gpu`` (beside no limit)."""
+    unknown = set(modes) - set(MODES)
+    if not modes or unknown:
+        raise InputError(f"modes={modes!r} must be a non-empty subset of {MODES}")
+    if not 0.0 <= mtp_acceptance < 1.0:
+        raise InputError(f"mtp_acceptance={mtp_acceptance} must be in [0, 1) (0: no MTP)")
+    nodes = DEFAULT_NODES | (nodes or {})
+    phases = (("prefill", "decode") if "disaggregated" in modes else ()) + (
+        ("colocated",) if "aggregated" in modes else ()
+    )
+    shapes = []
+    for phase in phases:
+        for n in nodes[phase]:
+            if n < 1:
+                raise InputError(f"nodes per {phase} unit = {n} must be >= 1")
+            fitting = fitting_redundant_experts(n, gpus_per_node, routed_experts)
+            none_fits = routed_experts % (n * gpus_per_node) == 0
+            for red in ((0,) if none_fits else ()) + (fitting,):
+                for mb in micro_batches:
+                    decodes = phase != "prefill"
+                    for mtp in (0.0, mtp_acceptance) if decodes and mtp_acceptance else (0.0,):
+                        for limit in (None, *max_batch_per_gpu) if decodes else (None,):
+                            shapes.append(Shape(phase, n, red, mb, mtp, limit))
+    return shapes
+
+
+@dataclass(frozen=True)
+class Option:
+    """One searched (or pruned) shape: the fewest ``units`` meeting its SLO(s), what they achieved
+    (``ttft_p95_s`` for shapes that prefill, ``tpot_p95_s`` for shapes that decode) and cost."""
+
+    shape: Shape
     units: int
-    metric_s: float
+    lower_bound_units: int
+    ttft_p95_s: float | None
+    tpot_p95_s: float | None
     meets_slo: bool
     cost_usd: float
+    searched: bool = True
+
+    @property
+    def phase(self) -> str:
+        return self.shape.phase
+
+    @property
+    def nodes(self) -> int:
+        return self.units * self.shape.nodes
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = asdict(self.shape)
+        out.update(
+            units=self.units,
+            total_nodes=self.nodes,
+            lower_bound_units=self.lower_bound_units,
+            ttft_p95_s=self.ttft_p95_s,
+            tpot_p95_s=self.tpot_p95_s,
+            meets_slo=self.meets_slo,
+            cost_usd=self.cost_usd,
+            searched=self.searched,
+        )
+        return out
 
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """The cheapest prefill and decode options and every candidate tried."""
+    """The cheapest fleet of each kind found, the cheaper one chosen, and every shape tried.
 
-    prefill: SideOption
-    decode: SideOption
-    options: list[SideOption]
+    ``prefill`` / ``decode``: the cheapest disaggregated sides (None if a side met no SLO or
+    disaggregated serving was not searched); ``colocated``: the cheapest aggregated units."""
+
+    prefill: Option | None
+    decode: Option | None
+    colocated: Option | None
+    options: list[Option]
     hours: float
-    unfit: tuple[str, ...] = ()  # candidates left out: they do not fit in HBM (why)
+    unfit: tuple[str, ...] = ()  # shapes left out: they do not fit in HBM (why)
 
     @property
-    def cost_usd(self) -> float:
+    def disaggregated_cost_usd(self) -> float:
+        if self.prefill is None or self.decode is None:
+            return math.inf
         return self.prefill.cost_usd + self.decode.cost_usd
 
     @property
+    def mode(self) -> str:
+        """The cheaper kind of fleet (disaggregated on a tie)."""
+        if self.colocated is not None and self.colocated.cost_usd < self.disaggregated_cost_usd:
+            return "aggregated"
+        return "disaggregated"
+
+    @property
+    def cost_usd(self) -> float:
+        if self.mode == "aggregated":
+            return self.colocated.cost_usd
+        return self.disaggregated_cost_usd
+
+    @property
     def nodes(self) -> int:
-        return self.prefill.units * self.prefill.nodes + self.decode.units * self.decode.nodes
+        if self.mode == "aggregated":
+            return self.colocated.nodes
+        return self.prefill.nodes + self.decode.nodes
+
+    @property
+    def ttft_p95_s(self) -> float:
+        return (self.colocated if self.mode == "aggregated" else self.prefill).ttft_p95_s
+
+    @property
+    def tpot_p95_s(self) -> float:
+        return (self.colocated if self.mode == "aggregated" else self.decode).tpot_p95_s
 
     def to_dict(self) -> dict:
+        def one(option):
+            return None if option is None else option.to_dict()
+
         return json_ready(
             {
                 "hours": self.hours,
+                "mode": self.mode,
                 "nodes": self.nodes,
                 "cost_usd": self.cost_usd,
-                "prefill": self.prefill.to_dict(),
-                "decode": self.decode.to_dict(),
+                "ttft_p95_s": self.ttft_p95_s,
+                "tpot_p95_s": self.tpot_p95_s,
+                "prefill": one(self.prefill),
+                "decode": one(self.decode),
+                "colocated": one(self.colocated),
+                "disaggregated_cost_usd": self.disaggregated_cost_usd,
                 "options": [o.to_dict() for o in self.options],
                 "unfit": list(self.unfit),
             }
         )
 
 
-def _side_metric(phase, units, model_p, model_d, workload, big, config) -> tuple[float, bool]:
-    p_units, d_units = (units, big) if phase == "prefill" else (big, units)
-    schedule = constant_schedule(
-        p_units, d_units, workload.duration_s, model_p.dep.nodes, model_d.dep.nodes
-    )
-    result = simulate(workload, schedule, model_p, model_d, config)
-    rejected = bool(np.any(result.status == REJECTED))
-    if phase == "prefill":
-        ttft = result.ttft_s[np.isfinite(result.ttft_s)]
-        value = float(np.percentile(ttft, 95)) if ttft.size else math.inf
-    else:
-        tpot = result.tpot_s[np.isfinite(result.tpot_s)]
-        value = float(np.percentile(tpot, 95)) if tpot.size else math.inf
-    return (math.inf if rejected else value), rejected
+@dataclass
+class _Search:
+    """What every probe of one plan shares."""
+
+    workload: Workload
+    config: SimConfig
+    slo_ttft_s: float
+    slo_tpot_s: float
+    max_units: int
+    ref_prefill: PerfModel | None
+    ref_decode: PerfModel | None
+
+    def probe(self, shape: Shape, models, units: int) -> tuple[bool, float | None, float | None]:
+        """Simulate ``units`` units of ``shape`` (the other side, if any, ample): (meets its
+        SLOs with no rejection, TTFT p95, TPOT p95); both inf when a request was rejected."""
+        prefill, decode = models
+        nodes = shape.nodes
+        if shape.phase == "colocated":
+            schedule = constant_schedule(units, units, self.workload.duration_s, nodes, nodes, True)
+        elif shape.phase == "prefill":
+            decode = self.ref_decode
+            schedule = constant_schedule(
+                units, self.max_units, self.workload.duration_s, nodes, decode.dep.nodes
+            )
+        else:
+            prefill = self.ref_prefill
+            schedule = constant_schedule(
+                self.max_units, units, self.workload.duration_s, prefill.dep.nodes, nodes
+            )
+        result = simulate(self.workload, schedule, prefill, decode, self.config)
+        ttft = tpot = None
+        if np.any(result.status == REJECTED):  # too few units: the latencies say nothing
+            return False, math.inf, math.inf
+        good = True
+        if shape.phase != "decode":
+            ttft = _p95(result.ttft_s)
+            good &= ttft <= self.slo_ttft_s
+        if shape.phase != "prefill":
+            tpot = _p95(result.tpot_s)
+            good &= tpot <= self.slo_tpot_s
+        return good, ttft, tpot
+
+    def fewest_units(self, shape, models, lower: int):
+        """Doubling from ``lower``, then bisection: (units, meets, TTFT p95, TPOT p95). Doubling
+        stops early when it no longer shortens the missed latency by 1%: the shape's latency at
+        an almost idle unit is over the SLO, and more units cannot help."""
+        lo = hi = lower
+        good, *figures = self.probe(shape, models, hi)
+        while not good and hi < self.max_units:
+            lo, hi = hi, min(hi * 2, self.max_units)
+            before = self.missed(figures)
+            good, *figures = self.probe(shape, models, hi)
+            if not good and math.isfinite(before) and self.missed(figures) > 0.99 * before:
+                break
+        if not good:
+            return hi, False, *figures
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            g, *f = self.probe(shape, models, mid)
+            if g:
+                hi, figures = mid, f
+            else:
+                lo = mid
+        return hi, True, *figures
+
+    def missed(self, figures) -> float:
+        """The larger of TTFT p95 / its SLO and TPOT p95 / its SLO (inf after a rejection)."""
+        ttft, tpot = figures
+        return max((ttft or 0.0) / self.slo_ttft_s, (tpot or 0.0) / self.slo_tpot_s)
+
+
+def _rank(option: Option, search: _Search) -> tuple[float, float]:
+    """Cheaper first; at equal cost, the larger share of its SLOs left unused."""
+    return option.cost_usd, search.missed((option.ttft_p95_s, option.tpot_p95_s))
+
+
+def _p95(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(np.percentile(finite, 95)) if finite.size else math.inf
 
 
 def plan_capacity(
@@ -98,17 +318,17 @@ def plan_capacity(
     slo_tpot_p95_s: float,
     hw: HardwareSpec | str = "h800",
     model: ModelSpec = DEEPSEEK_V3,
-    prefill_candidates=PREFILL_CANDIDATES,
-    decode_candidates=DECODE_CANDIDATES,
+    shapes: list[Shape] | None = None,
     max_units: int = 256,
     config: SimConfig | None = None,
     calibration: Calibration | None = None,
     time_scale: tuple[float, float] = (1.0, 1.0),
 ) -> CapacityPlan:
     """Cheapest fleet meeting TTFT p95 <= ``slo_ttft_p95_s`` and per-request TPOT p95 <=
-    ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet.
-    ``time_scale``: (prefill, decode) multipliers on every step time."""
-    if slo_ttft_p95_s <= 0 or slo_tpot_p95_s <= 0:
+    ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet,
+    over ``shapes`` (default :func:`candidate_shapes`). ``time_scale``: (prefill, decode)
+    multipliers on every step time."""
+    if not (slo_ttft_p95_s > 0 and slo_tpot_p95_s > 0):
         raise InputError(
             f"slo_ttft_p95_s={slo_ttft_p95_s} and slo_tpot_p95_s={slo_tpot_p95_s} must be > 0"
         )
@@ -119,88 +339,105 @@ def plan_capacity(
     if calibration is not None:
         hw = replace(calibration.hardware, gpu_hour_usd=hw.gpu_hour_usd)
         model, eff, kv = calibration.model, calibration.efficiency(), calibration.kv_tokens_per_gpu
-    config = config or SimConfig()
+    shapes = candidate_shapes(gpus_per_node=hw.gpus_per_node) if shapes is None else shapes
+    effs = dict(zip(("prefill", "decode"), (eff.scaled(k) for k in time_scale), strict=True))
     hours = workload.duration_s / 3600.0
+    models, unfit = {}, []
+    for shape in shapes:
+        try:
+            models[shape] = tuple(
+                None
+                if dep is None
+                else PerfModel(dep, hw, model, effs[dep.phase], kv_tokens_per_gpu=kv)
+                for dep in shape.deployments()
+            )
+            for perf in models[shape]:
+                if perf is not None:
+                    perf.check_fits()
+        except InputError as err:
+            models.pop(shape, None)
+            unfit.append(f"{shape.describe()}: {err}")
+    if not models:
+        raise InputError("no candidate unit fits (slots over GPUs, HBM): " + "; ".join(unfit))
+
+    def partner(phase, index):
+        """The other side of a disaggregated probe, run ample: the largest unit of that phase
+        (the most KV cache per unit: a sampled request brings ``scale`` requests' KV to one)."""
+        fitting = [(s, m[index]) for s, m in models.items() if s.phase == phase]
+        if not fitting:
+            return None
+
+        def biggest(sm):
+            shape = sm[0]
+            return shape.nodes, shape.max_batch_per_gpu is None, shape.micro_batches
+
+        return max(fitting, key=biggest)[1]
+
+    search = _Search(
+        workload,
+        config or SimConfig(),
+        slo_ttft_p95_s,
+        slo_tpot_p95_s,
+        max_units,
+        partner("prefill", 0),
+        partner("decode", 1),
+    )
+    bounds = _lower_bounds(workload, models)
+    best: dict[str, Option] = {}
+    options: list[Option] = []
+    # disaggregated sides first: their best fleet prunes aggregated shapes
+    for shape in sorted(models, key=lambda s: (s.phase == "colocated", bounds[s] * s.nodes)):
+        lower = bounds[shape]
+        lower_cost = lower * shape.nodes * hw.node_hour_usd * hours
+        if shape.phase == "colocated":
+            sides = [best.get(p) for p in ("prefill", "decode")]
+            ceiling = min(
+                best["colocated"].cost_usd if "colocated" in best else math.inf,
+                math.inf if None in sides else sides[0].cost_usd + sides[1].cost_usd,
+            )
+        else:
+            ceiling = best[shape.phase].cost_usd if shape.phase in best else math.inf
+        if lower_cost > ceiling:
+            options.append(Option(shape, lower, lower, None, None, False, lower_cost, False))
+            continue
+        units, good, ttft, tpot = search.fewest_units(shape, models[shape], lower)
+        cost = units * shape.nodes * hw.node_hour_usd * hours
+        option = Option(shape, units, lower, ttft, tpot, good, cost)
+        options.append(option)
+        if good and (
+            shape.phase not in best or _rank(option, search) < _rank(best[shape.phase], search)
+        ):
+            best[shape.phase] = option
+    plan = CapacityPlan(
+        best.get("prefill"), best.get("decode"), best.get("colocated"), options, hours, tuple(unfit)
+    )
+    if plan.colocated is None and math.isinf(plan.disaggregated_cost_usd):
+        raise InputError(
+            f"no fleet meets the SLOs with up to max_units={max_units} units of any candidate"
+        )
+    return plan
+
+
+def _lower_bounds(workload: Workload, models: dict) -> dict[Shape, int]:
+    """Per shape, units that carry the busiest 5 minutes' work at 100% utilisation and the
+    unit's fastest rate per token (at least 1): fewer cannot meet any SLO."""
     inputs = workload.input_tokens.astype(np.float64)
     outputs = workload.output_tokens.astype(np.float64)
     hit = float(workload.cached_tokens.sum() / inputs.sum())
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / outputs.sum())
-    models, unfit = {}, []
-    effs = {
-        phase: eff.scaled(k) for phase, k in zip(("prefill", "decode"), time_scale, strict=True)
-    }
-    for phase, cands in (("prefill", prefill_candidates), ("decode", decode_candidates)):
-        for nodes, red in cands:
-            try:
-                models[(phase, nodes, red)] = PerfModel(
-                    Deployment(phase, nodes, red),
-                    hw,
-                    model,
-                    effs[phase],
-                    kv_tokens_per_gpu=kv,
-                )
-                models[(phase, nodes, red)].check_fits()
-            except InputError as err:
-                models.pop((phase, nodes, red), None)
-                unfit.append(str(err))
-                continue
-    if not any(k[0] == "prefill" for k in models) or not any(k[0] == "decode" for k in models):
-        raise InputError(
-            "no valid prefill or decode candidate (slots must divide over GPUs and fit in HBM): "
-            + "; ".join(unfit)
-        )
-    ref_p = next(m for k, m in models.items() if k[0] == "prefill")
-    ref_d = next(m for k, m in models.items() if k[0] == "decode")
-    options: list[SideOption] = []
-    best: dict[str, SideOption] = {}
-    for (phase, nodes, red), perf in models.items():
-        slo = slo_ttft_p95_s if phase == "prefill" else slo_tpot_p95_s
-        peak = _peak_rate_work(workload, perf, phase, hit, mean_kv)
-        lo = max(1, math.floor(peak))
-        pm, dm = (perf, ref_d) if phase == "prefill" else (ref_p, perf)
-        big = max_units
-
-        def ok(units: int, phase=phase, pm=pm, dm=dm, slo=slo, big=big) -> tuple[bool, float]:
-            value, _ = _side_metric(phase, units, pm, dm, workload, big, config)
-            return value <= slo, value
-
-        hi = lo
-        good, value = ok(hi)
-        while not good and hi < max_units:
-            lo, hi = hi, min(hi * 2, max_units)
-            good, value = ok(hi)
-        if good:
-            best_units, best_value = hi, value
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                g, v = ok(mid)
-                if g:
-                    hi, best_units, best_value = mid, mid, v
-                else:
-                    lo = mid
-        else:
-            best_units, best_value = hi, value
-        cost = best_units * nodes * hw.node_hour_usd * hours
-        option = SideOption(phase, nodes, red, best_units, best_value, good, cost)
-        options.append(option)
-        if good and (phase not in best or cost < best[phase].cost_usd):
-            best[phase] = option
-    for phase in ("prefill", "decode"):
-        if phase not in best:
-            raise InputError(
-                f"no {phase} candidate meets the SLO with up to max_units={max_units} units"
-            )
-    return CapacityPlan(best["prefill"], best["decode"], options, hours, tuple(unfit))
-
-
-def _peak_rate_work(workload, perf: PerfModel, phase: str, hit: float, mean_kv: float) -> float:
-    """Units needed at 100% utilisation in the busiest 5 minutes (a lower bound for the search)."""
     slot = (workload.arrival_s // 300).astype(np.int64)
-    if phase == "prefill":
-        per_req = (workload.input_tokens - workload.cached_tokens) * perf.prefill_seconds_per_token(
-            hit, float(workload.input_tokens.mean())
-        )
-    else:
-        per_req = workload.output_tokens * decode_seconds_per_token(perf, 128.0, mean_kv)
-    work = np.bincount(slot, weights=per_req * workload.scale)
-    return float(work.max() / 300.0)
+    computed = (workload.input_tokens - workload.cached_tokens) * workload.scale
+    generated = workload.output_tokens * workload.scale
+    out = {}
+    for shape, (prefill, decode) in models.items():
+        per_request = np.zeros(workload.size)
+        if prefill is not None:
+            per_request += computed * prefill.prefill_seconds_per_token(hit, float(inputs.mean()))
+        if decode is not None:
+            fullest = decode.kv_capacity_tokens_per_gpu / mean_kv
+            limit = decode.dep.max_batch_per_gpu
+            batch = fullest if limit is None else min(fullest, limit)
+            per_request += generated * decode_seconds_per_token(decode, batch, mean_kv)
+        work = np.bincount(slot, weights=per_request)
+        out[shape] = max(1, math.floor(work.max() / 300.0))
+    return out

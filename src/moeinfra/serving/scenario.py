@@ -59,8 +59,10 @@ class Scenario:
 
 
 def decode_seconds_per_token(decode: PerfModel, batch_per_gpu: float, mean_kv: float) -> float:
-    """Unit-seconds per output token of a decode unit running ``batch_per_gpu`` requests per GPU."""
-    return float(decode.decode_step_s(batch_per_gpu, mean_kv)) / (batch_per_gpu * decode.gpus)
+    """Unit-seconds per output token of a decode unit running ``batch_per_gpu`` requests per GPU
+    (with MTP, a step yields ``1 + acceptance`` tokens per request)."""
+    step = float(decode.decode_step_s(batch_per_gpu, mean_kv))
+    return step / (batch_per_gpu * decode.gpus * decode.dep.tokens_per_step)
 
 
 def batch_at_step(decode: PerfModel, step_s: float, mean_kv: float) -> float:
@@ -113,7 +115,9 @@ def auto_schedule(
     service = prefill_cost(prefill, decode, workload, balancer)
     mean_kv = float((inputs * outputs + outputs**2 / 2).sum() / max(outputs.sum(), 1.0))
     if slo_tpot_s is not None:
-        decode_batch_per_gpu = batch_at_step(decode, slo_tpot_s, mean_kv)
+        # a step may take the SLO times the tokens it yields per request (MTP)
+        step_s = slo_tpot_s * decode.dep.tokens_per_step
+        decode_batch_per_gpu = batch_at_step(decode, step_s, mean_kv)
     s_decode = decode_seconds_per_token(decode, decode_batch_per_gpu, mean_kv)
     floor = None
     if slo_ttft_s is not None:

@@ -35,6 +35,9 @@ class FleetSchedule:
     Attributes:
         start_s: ``[k]`` ascending step starts (the first is 0). prefill_units, decode_units: ``[k]``.
         prefill_nodes, decode_nodes: nodes per unit. duration_s: end of the last step.
+        colocated: each unit does both phases (aggregated serving): ``prefill_units`` and
+            ``decode_units`` are the same units, so they and their node counts must be equal,
+            and their nodes are counted once (as decode nodes).
     """
 
     start_s: np.ndarray
@@ -43,6 +46,7 @@ class FleetSchedule:
     prefill_nodes: int = 4
     decode_nodes: int = 18
     duration_s: float = 86_400.0
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         k = self.start_s.size
@@ -56,6 +60,14 @@ class FleetSchedule:
             raise InputError(
                 f"FleetSchedule.duration_s={self.duration_s} must exceed the last start"
             )
+        if self.colocated and (
+            self.prefill_nodes != self.decode_nodes
+            or not np.array_equal(self.prefill_units, self.decode_units)
+        ):
+            raise InputError(
+                "a colocated FleetSchedule runs both phases on the same units: prefill and decode "
+                "units and nodes per unit must be equal"
+            )
 
     def at(self, t_s: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(prefill_units, decode_units)`` running at time(s) ``t_s``."""
@@ -64,29 +76,26 @@ class FleetSchedule:
 
     def nodes_at(self, t_s: float | np.ndarray) -> np.ndarray:
         p, d = self.at(t_s)
-        return p * self.prefill_nodes + d * self.decode_nodes
+        return (0 if self.colocated else p * self.prefill_nodes) + d * self.decode_nodes
 
     @property
     def max_units(self) -> tuple[int, int]:
         return int(self.prefill_units.max()), int(self.decode_units.max())
 
     def node_seconds(self, start_s: float = 0.0, end_s: float | None = None) -> tuple[float, float]:
-        """``(prefill, decode)`` node-seconds in ``[start_s, end_s)``."""
+        """``(prefill, decode)`` node-seconds in ``[start_s, end_s)`` (colocated: all decode)."""
         end_s = self.duration_s if end_s is None else end_s
         edges = np.append(self.start_s, self.duration_s)
         lo = np.clip(edges[:-1], start_s, end_s)
         hi = np.clip(edges[1:], start_s, end_s)
         span = hi - lo
-        return (
-            float((span * self.prefill_units).sum() * self.prefill_nodes),
-            float((span * self.decode_units).sum() * self.decode_nodes),
-        )
+        prefill = 0.0 if self.colocated else (span * self.prefill_units).sum() * self.prefill_nodes
+        return float(prefill), float((span * self.decode_units).sum() * self.decode_nodes)
 
     def summary(self) -> dict[str, float]:
         p, d = self.node_seconds()
-        nodes = self.prefill_units * self.prefill_nodes + self.decode_units * self.decode_nodes
         return {
-            "peak_nodes": int(nodes.max()),
+            "peak_nodes": int(self.nodes_at(self.start_s).max()),
             "avg_nodes": (p + d) / self.duration_s,
             "avg_prefill_nodes": p / self.duration_s,
             "avg_decode_nodes": d / self.duration_s,
@@ -114,6 +123,7 @@ def constant_schedule(
     duration_s: float,
     prefill_nodes: int = 4,
     decode_nodes: int = 18,
+    colocated: bool = False,
 ) -> FleetSchedule:
     """A fixed fleet for the whole window."""
     return FleetSchedule(
@@ -123,6 +133,7 @@ def constant_schedule(
         prefill_nodes,
         decode_nodes,
         duration_s,
+        colocated,
     )
 
 

@@ -200,8 +200,13 @@ def simulate(
     work *= S  # a sampled request brings S requests' work to its unit
     imb = pc.imbalance
 
+    colocated = schedule.colocated
+
     def ready_s(idx):
-        """When the KV cache of requests ``idx`` has reached decode (first token + transfer)."""
+        """When the KV cache of requests ``idx`` has reached decode (first token + transfer; a
+        colocated unit decodes where it prefilled)."""
+        if colocated:
+            return first_token[idx]
         transfer = inputs[idx] * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
         return first_token[idx] + transfer
 
@@ -209,11 +214,16 @@ def simulate(
     p_max, d_max = schedule.max_units
     queue = PrefillQueue(arrival, work, pc.min_latency_s, S, p_max, cfg.max_prefill_wait_s)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
+    limit = decode.dep.max_batch_per_gpu
+    batch_cap_unit = np.inf if limit is None else limit * decode.gpus
+    per_step = decode.dep.tokens_per_step  # output tokens a request gains per decode step
     status = np.full(n, RUNNING, dtype=np.int8)
     reason = np.full(n, -1, dtype=np.int8)
     first_token = np.full(n, np.nan)
     finish_t = np.full(n, np.nan)
     tpot = np.full(n, np.nan)  # mean time per output token after the first, once finished
+    home = np.full(n if colocated else 0, -1, dtype=np.int32)  # colocated: the prefill unit
+    prefill_busy = np.zeros(d_max)  # colocated: seconds of the tick each unit spends prefilling
     pend = np.zeros(0, dtype=np.int64)  # waiting for a decode slot, by request index
     # active decode set
     a_idx = np.zeros(0, dtype=np.int64)
@@ -258,7 +268,14 @@ def simulate(
             # units sharing the host's cores: the decode units computing slow the prefill
             busy_decode = np.unique(a_unit).size / max(d_units, 1)
             slowdown += prefill.eff.prefill_contention * busy_decode
+        carry = np.maximum(queue.busy - t0, 0.0) if colocated else None
         idx, unit, fin, refused = queue.admit(lo, hi, p_units, slowdown)
+        if colocated:
+            # prefill runs first (the decode batch waits): the unit's busy time in this tick is
+            # the work carried in plus the work admitted, less the idle gaps before arrivals
+            home[idx] = unit
+            admitted = np.bincount(unit, work[idx] * slowdown, p_max)
+            prefill_busy = np.clip(np.minimum(carry + admitted, queue.busy - t0), 0.0, cfg.tick_s)
         status[refused] = REJECTED
         reason[refused] = 0
         np.add.at(work_done_rec, unit, work[idx])
@@ -299,7 +316,12 @@ def simulate(
                 levels = np.full(d_max, np.inf)
                 levels[:d_units] = kv_now[:d_units]
                 need = (inputs[cand] + outputs[cand] / 2) * S
-                unit = fill_least_loaded(levels, need)
+                if colocated:
+                    unit = home[cand].astype(np.int64)
+                    gone = unit >= d_units  # its unit stopped since: the least loaded takes it
+                    unit[gone] = fill_least_loaded(levels, need[gone])
+                else:
+                    unit = fill_least_loaded(levels, need)
                 # admit in order while the unit's KV (with the newcomers) fits
                 order = np.argsort(unit, kind="stable")
                 sorted_need = need[order]
@@ -308,8 +330,13 @@ def simulate(
                 change[0] = True
                 np.not_equal(unit[order][1:], unit[order][:-1], out=change[1:])
                 seg_id = np.cumsum(change) - 1
-                within = cum - (cum - sorted_need)[np.flatnonzero(change)][seg_id]
+                starts = np.flatnonzero(change)
+                within = cum - (cum - sorted_need)[starts][seg_id]
                 fits_sorted = kv_now[unit[order]] + within <= kv_cap_unit
+                if limit is not None:
+                    running = np.bincount(a_unit, minlength=d_max)[:d_max] * S
+                    place = np.arange(order.size) - starts[seg_id] + 1  # newcomers so far
+                    fits_sorted &= running[unit[order]] + place * S <= batch_cap_unit
                 fits = np.empty(cand.size, dtype=bool)
                 fits[order] = fits_sorted
                 admit = cand[fits]
@@ -335,7 +362,7 @@ def simulate(
             remaining = outputs[a_idx] - a_done
             # a request is in its unit's batch for the part of the tick before it finishes
             # (estimated with the unit's previous step time), not for the whole tick
-            occupancy = np.minimum(run_s, remaining * last_step[a_unit]) / cfg.tick_s
+            occupancy = np.minimum(run_s, remaining / per_step * last_step[a_unit]) / cfg.tick_s
             count = np.bincount(a_unit, occupancy, d_max)
             kv_tokens = np.bincount(a_unit, occupancy * (inputs[a_idx] + a_done), d_max)
             active = count > 0
@@ -360,12 +387,16 @@ def simulate(
                 behind += np.where(active & decoding, interrupt_s * S * edges_now, 0.0)
                 lost = np.minimum(behind, cfg.tick_s)
                 behind -= lost
-            gain = np.maximum(run_s - lost[a_unit], 0.0) / step[a_unit]
+            if colocated:
+                lost = np.minimum(lost + prefill_busy, cfg.tick_s)
+            gain = np.maximum(run_s - lost[a_unit], 0.0) / step[a_unit] * per_step
             produced = np.minimum(gain, remaining)
             out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
             unit_tokens = np.bincount(a_unit, produced, d_max)[active] * S
             bins = np.clip(np.searchsorted(itl_edges, step[active]) - 1, 0, itl_tokens.size - 1)
-            itl_tokens += np.bincount(bins, unit_tokens, itl_tokens.size)
+            # a step's first token comes a step after the last; an accepted draft comes with it
+            itl_tokens += np.bincount(bins, unit_tokens / per_step, itl_tokens.size)
+            itl_tokens[0] += unit_tokens.sum() * (1.0 - 1.0 / per_step)
             kv_weighted += float((produced * (inputs[a_idx] + a_done + produced / 2)).sum()) * S
             fin = gain >= remaining
             if fin.any():
@@ -374,7 +405,7 @@ def simulate(
                 finish_t[f_idx] = (
                     a_from[fin]
                     + lost[a_unit[fin]]
-                    + left * np.where(left > 0, step[a_unit[fin]], 0.0)
+                    + left / per_step * np.where(left > 0, step[a_unit[fin]], 0.0)
                 )
                 status[f_idx] = COMPLETED
                 many = outputs[f_idx] > 1
@@ -460,7 +491,10 @@ def simulate(
         "output_tokens": out_total,
         "revenue_usd": revenue,
         "margin": margin(revenue, cost) if cost > 0 else float("nan"),
-        "prefill_tokens_per_s_per_node": float(in_hour.sum() / max(p_total, 1e-9)),
+        # colocated: every node does both phases
+        "prefill_tokens_per_s_per_node": float(
+            in_hour.sum() / max(d_total if colocated else p_total, 1e-9)
+        ),
         "decode_tokens_per_s_per_node": float(out_total / max(d_total, 1e-9)),
         "mean_output_tokens_per_s": float(speed.mean()) if speed.size else float("nan"),
         "mean_kv_len_per_output_token": float(

@@ -178,6 +178,10 @@ class Deployment:
         micro_batches: 2 (dual micro-batch overlap in both phases).
         tokens_per_gpu: prefill only, tokens a GPU takes per forward step (DeepSeek's profile: 16K).
         load_kind / load_skew: synthetic expert-load skew fed to EPLB for the expert imbalance.
+        mtp_acceptance: decode only, the share of multi-token-prediction drafts accepted (0: MTP
+            off; DeepSeek-V3 report: 0.85-0.9); each step verifies two tokens per request.
+        max_batch_per_gpu: decode only, running requests per GPU at most (None: as many as the KV
+            cache holds); the rest wait for a slot.
     """
 
     phase: str
@@ -188,6 +192,8 @@ class Deployment:
     load_kind: str = "lognormal"
     load_skew: float | None = None
     load_seed: int = 0
+    mtp_acceptance: float = 0.0
+    max_batch_per_gpu: float | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):
@@ -200,6 +206,26 @@ class Deployment:
             raise InputError(f"Deployment.micro_batches={self.micro_batches} must be 1 or 2")
         if self.tokens_per_gpu < 1:
             raise InputError(f"Deployment.tokens_per_gpu={self.tokens_per_gpu} must be >= 1")
+        if not 0.0 <= self.mtp_acceptance < 1.0:
+            raise InputError(
+                f"Deployment.mtp_acceptance={self.mtp_acceptance} must be in [0, 1) (0: no MTP)"
+            )
+        if self.max_batch_per_gpu is not None and not (
+            math.isfinite(self.max_batch_per_gpu) and self.max_batch_per_gpu > 0
+        ):
+            raise InputError(
+                f"Deployment.max_batch_per_gpu={self.max_batch_per_gpu} must be a finite number "
+                "> 0 (or None: no limit)"
+            )
+        if self.phase == "prefill" and (self.mtp_acceptance or self.max_batch_per_gpu is not None):
+            raise InputError(
+                "Deployment.mtp_acceptance and max_batch_per_gpu apply to decode units only"
+            )
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens a request gains per decode step (1 + the accepted drafts)."""
+        return 1.0 + self.mtp_acceptance
 
     def gpus(self, hw: HardwareSpec) -> int:
         return self.nodes * hw.gpus_per_node
@@ -248,7 +274,8 @@ class _BalanceKey:
     model: ModelSpec
     gpus: int
     nodes: int
-    deployment: Deployment
+    redundant_experts: int
+    load: tuple[str, float | None, int]
 
 
 _BALANCE_CACHE: dict[_BalanceKey, ExpertBalance] = {}
@@ -264,7 +291,9 @@ def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> Exper
     from moeinfra.eplb.synthetic import synthetic_load
 
     gpus = dep.gpus(hw)
-    key = _BalanceKey(model, gpus, dep.nodes, dep)
+    key = _BalanceKey(
+        model, gpus, dep.nodes, dep.redundant_experts, (dep.load_kind, dep.load_skew, dep.load_seed)
+    )
     if key in _BALANCE_CACHE:
         return _BALANCE_CACHE[key]
     slots = model.num_routed_experts + dep.redundant_experts

@@ -68,8 +68,8 @@ def plan_figures(plan) -> dict[str, float]:
     return {
         "nodes": float(plan.nodes),
         "cost_usd": plan.cost_usd,
-        "ttft_p95_s": plan.prefill.metric_s,
-        "tpot_p95_s": plan.decode.metric_s,
+        "ttft_p95_s": plan.ttft_p95_s,
+        "tpot_p95_s": plan.tpot_p95_s,
     }
 
 
