@@ -78,7 +78,7 @@ def test_usage_errors_are_one_line_exit_2_without_the_usage_box(tmp_path):
             ("trace", "diff", str(trace), str(trace), "c"),
             "error: got unexpected extra argument(s) (c) (usage: python -m moeinfra.cli trace diff [OPTIONS] A B)",
         ),
-        (("serve", "plan"), "error: missing option '--workload'"),
+        (("serve", "unit"), "error: missing option '--server'"),
         (("eplb", "bench", "--repeats", "0"), "error: --repeats=0: 0 is not in the range x>=1"),
         (("eplb", "bench", "--repeats=x"), "error: --repeats=x: 'x' is not a valid int"),
         (("eplb", "bench", "--repets", "2"), "error: no such option: --repets (did you mean"),

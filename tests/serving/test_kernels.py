@@ -12,6 +12,7 @@ import pytest
 
 from moeinfra.errors import InputError
 from moeinfra.serving import kernels as kernels_module
+from moeinfra.serving.calibration import load_calibration
 from moeinfra.serving.kernels import Curve, KernelTables
 from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.specs import HARDWARE, Deployment, fitting_redundant_experts
@@ -161,10 +162,63 @@ def test_installed_tables_hold_the_rows_copied_here():
             np.testing.assert_allclose(b.seconds[keep], a.seconds, rtol=1e-9)
 
 
-def test_the_simulators_decode_step_refuses_measured_tables():
-    perf = PerfModel(Deployment("decode", 8, 64), HARDWARE["h100"], kernels=TABLES)
-    with pytest.raises(InputError, match="not to the vectorised decode step"):
-        perf.decode_step_s(64, 2000)
+def test_the_simulators_decode_step_takes_the_measured_tables_as_serve_model_does():
+    for nodes in (4, 8):
+        dep = Deployment("decode", nodes, fitting_redundant_experts(nodes))
+        measured = PerfModel(dep, HARDWARE["h100"], kernels=TABLES)
+        plain = PerfModel(dep, HARDWARE["h100"])
+        # 0.25 to 400 tokens per micro-batch: below, inside and above the copied tables' 16-256
+        batch = np.array([0.5, 40.0, 64.0, 128.0, 800.0])
+        steps = measured.decode_step_s(batch, np.full(batch.size, 3000.0))
+        for b, step in zip(batch, steps, strict=True):
+            assert step == pytest.approx(measured.decode_breakdown(float(b), 3000.0).step_s)
+        first = plain.decode_step_s(batch, np.full(batch.size, 3000.0))
+        # outside the measured tokens the step is the first-principles one; inside it moves
+        # where the measured part is not hidden behind the other micro-batch
+        assert steps[0] == pytest.approx(first[0]) and steps[-1] == pytest.approx(first[-1])
+        assert np.any(np.abs(steps[1:4] / first[1:4] - 1) > 0.02)
+    coverage = measured.kernel_coverage()
+    # the rows copied here (the installed tables measure more points)
+    assert coverage["dispatch"].startswith("16-256 tokens per GPU: DeepEP low-latency, 8 node(s)")
+    assert coverage["routed"].startswith("32-128 tokens per GPU: grouped MoE GEMMs, EP64")
+    eighteen = PerfModel(Deployment("decode", 18), HARDWARE["h100"], kernels=TABLES)
+    assert set(eighteen.kernel_coverage().values()) == {
+        "first-principles (no measured table for this 18-node unit)"
+    }
+    assert plain.kernel_coverage() is None
+
+
+def test_simulate_and_plan_run_on_measured_kernels(monkeypatch):
+    from moeinfra.serving.planner import Shape, plan_capacity
+    from moeinfra.serving.scenario import build_scenario
+    from moeinfra.serving.workload import constant_demand
+
+    # ~70 requests per decode GPU: 35 per micro-batch, inside the copied low-latency rows (16-256)
+    work = constant_demand(150_000.0, hours=0.05, scale=1.0)
+    args = dict(workload=work, hardware_name="h100", fleet=(6, 1))
+    units = dict(
+        prefill_dep=Deployment("prefill", 4),
+        decode_dep=Deployment("decode", 8, fitting_redundant_experts(8)),
+    )
+    measured = build_scenario(**args, **units, kernels=TABLES).run()
+    plain = build_scenario(**args, **units).run()
+    # the measured all-to-all and MoE GEMMs differ from the model's: so do the latencies
+    assert np.nanmedian(measured.tpot_s) != pytest.approx(np.nanmedian(plain.tpot_s), rel=0.01)
+    assert np.nanmean(measured.ttft_s) != pytest.approx(np.nanmean(plain.ttft_s), rel=0.01)
+    shapes = [Shape("prefill", 4, 32), Shape("decode", 8, 64)]
+    plan = plan_capacity(
+        work, slo_ttft_p95_s=3.0, slo_tpot_p95_s=0.08, hw="h100", shapes=shapes, kernels=TABLES
+    )
+    assert plan.decode.meets_slo and plan.prefill.meets_slo
+    with pytest.raises(InputError, match="one or the other"):
+        plan_capacity(
+            work,
+            slo_ttft_p95_s=3.0,
+            slo_tpot_p95_s=0.08,
+            shapes=shapes,
+            kernels=TABLES,
+            calibration=load_calibration("sglang-h100"),
+        )
 
 
 def test_decode_inside_the_measured_range_takes_the_low_latency_curve_per_micro_batch():

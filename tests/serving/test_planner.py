@@ -126,6 +126,14 @@ def test_plan_from_a_steady_demand_writes_json_and_a_figure(tmp_path):
     assert payload["workload"] == "2,000 output tokens/s" and payload["colocated"] is None
     tried = {(o["nodes"], o["mtp_acceptance"], o["max_batch_per_gpu"]) for o in payload["options"]}
     assert (8, 0.85, 16.0) in tried and (4, 0.0, None) in tried
+    # longer answers at the same output tokens/s: fewer, longer requests, more KV per request
+    longer = cli(
+        "--demand", "2000", "--lengths", "2000:2000", "--hours", "0.1", "--scale", "1",
+        "--modes", "disaggregated", "--prefill-nodes", "4", "--decode-nodes", "4",
+        "--micro-batches", "2", "--json",
+    )  # fmt: skip
+    assert longer.returncode == 0, longer.stderr
+    assert json.loads(longer.stdout)["prefill"]["ttft_p95_s"] < payload["prefill"]["ttft_p95_s"]
 
 
 @pytest.mark.parametrize(
@@ -138,6 +146,8 @@ def test_plan_from_a_steady_demand_writes_json_and_a_figure(tmp_path):
         (["--demand", "5", "--workload", "x.csv"], "--workload and --demand"),
         (["--decode-nodes", "0"], "--decode-nodes"),
         (["--hours", "30"], "--hours"),
+        (["--demand", "5", "--lengths", "100"], "--lengths"),
+        (["--lengths", "100:10"], "--demand only"),
     ],
 )
 def test_plan_refuses_bad_options_in_one_line(args, named):

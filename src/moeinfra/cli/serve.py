@@ -116,6 +116,28 @@ def _load_workload(
     return workload.with_demand_scale(demand_scale), bad
 
 
+_KERNELS_HELP = (
+    "first-principles, or aiconfigurator: NVIDIA AIConfigurator's measured all-to-all and MoE "
+    "GEMM times where they cover a unit (h100, h200; pip install 'moeinfra[aic]')."
+)
+
+
+def _kernel_tables(kernels: str, calibration: str, hardware: str):
+    """``--kernels`` as KernelTables (None: first principles), refused beside a calibration."""
+    from moeinfra.serving.kernels import KERNEL_SOURCES, KernelTables
+
+    if kernels not in KERNEL_SOURCES:
+        raise InputError(f"--kernels={kernels!r} must be one of {', '.join(KERNEL_SOURCES)}")
+    if kernels == "first-principles":
+        return None
+    if calibration != "none":
+        raise InputError(
+            f"--kernels={kernels} replaces the first-principles times a calibration scales: "
+            "give --calibration none with it"
+        )
+    return KernelTables.aiconfigurator(hardware)
+
+
 _DEMAND_SCALE_HELP = (
     "Multiply the demand: each request of the trace (or of the generated day) stands for this many."
 )
@@ -230,6 +252,7 @@ def simulate_cmd(
         help="Folder for result.json, hourly.csv and requests.npz (per request, plus the per-token "
         "inter-token latency histogram).",
     ),
+    kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Simulate a fleet over a day (default: DeepSeek's published day) and report cost and latency."""
@@ -250,6 +273,7 @@ def simulate_cmd(
     check_positive(demand_scale, "--demand-scale")
     check_positive(hours, "--hours")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
+    tables = _kernel_tables(kernels, calibration, hardware)
     cal = _calibration(calibration)
     tick_s = parse_duration_s(tick, "--tick")
     if not tick_s > 0:
@@ -276,6 +300,7 @@ def simulate_cmd(
         else parse_unit(decode_unit, "--decode-unit", "decode"),
         gpu_hour_usd=gpu_hour_usd,
         calibration=cal,
+        kernels=tables,
         target=target,
         slo_tpot_s=slo_tpot_s,
         slo_ttft_s=slo_ttft_s,
@@ -318,6 +343,12 @@ def simulate_cmd(
     payload["scenario"] = scenario
     payload["hardware"] = built.prefill.hw.name
     payload["calibration"] = _calibration_summary(cal)
+    payload["kernels"] = kernels
+    payload["kernel_coverage"] = (
+        None
+        if tables is None
+        else {"prefill": built.prefill.kernel_coverage(), "decode": built.decode.kernel_coverage()}
+    )
     payload["ranges"] = None if cal is None else ranges(point, *bound_figures)
     payload["range_method"] = range_method(cal is not None, runs == 3)
     payload["step_time_bounds"] = bounds or None
@@ -400,6 +431,23 @@ def simulate_cmd(
     )
 
 
+def _lengths(text: str | None):
+    """``--lengths IN:OUT`` as a LengthModel (None: the published one)."""
+    from moeinfra.serving.workload import LengthModel
+
+    if text is None:
+        return None
+    try:
+        mean_in, mean_out = (float(x) for x in text.split(":"))
+    except ValueError:
+        mean_in = mean_out = float("nan")
+    if not all(np.isfinite(v) and 1 <= v < 131_072 for v in (mean_in, mean_out)):
+        raise InputError(
+            f"--lengths={text!r} must be IN:OUT, mean prompt and answer tokens in [1, 131072)"
+        )
+    return LengthModel(mean_in, mean_out)
+
+
 def _node_list(text: str, option: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
@@ -420,6 +468,13 @@ def plan_cmd(
         "--demand",
         help="Steady demand in output tokens/s (Poisson arrivals, DeepSeek's published lengths "
         "and cache hits) for --hours.",
+    ),
+    lengths: str | None = typer.Option(
+        None,
+        "--lengths",
+        metavar="IN:OUT",
+        help="--demand: mean prompt and answer tokens (lognormal, CV 1.5 and 1.0; default "
+        "DeepSeek's published means).",
     ),
     hours: float = typer.Option(1.0, "--hours", help="Hours of --demand or the generated day."),
     scale: float = typer.Option(
@@ -474,6 +529,7 @@ def plan_cmd(
     ),
     demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for plan.json and plan.png."),
 ) -> None:
@@ -499,6 +555,8 @@ def plan_cmd(
         raise InputError(f"--hours={hours} must be in (0, 24]")
     if workload is not None and demand is not None:
         raise InputError("--workload and --demand: give one (or neither: DeepSeek's day)")
+    if lengths is not None and demand is None:
+        raise InputError(f"--lengths={lengths!r} applies to --demand only")
     chosen_modes = tuple(m.strip() for m in modes.split(","))
     mbs = _node_list(micro_batches, "--micro-batches")
     if not set(mbs) <= {1, 2}:
@@ -518,6 +576,7 @@ def plan_cmd(
     if out is not None:
         output_folder(out, "--out")
     hw = priced_hardware(hardware, gpu_hour_usd)
+    tables = _kernel_tables(kernels, calibration, hardware)
     shapes = candidate_shapes(
         modes=chosen_modes,
         nodes={
@@ -536,13 +595,18 @@ def plan_cmd(
         source = str(workload)
     elif demand is not None:
         check_positive(demand, "--demand")
-        trace = constant_demand(demand * demand_scale, hours, scale)
+        trace = constant_demand(demand * demand_scale, hours, scale, lengths=_lengths(lengths))
         source = f"{demand * demand_scale:,.0f} output tokens/s"
     else:
         trace = deepseek_day(scale=scale, hours=hours, demand_scale=demand_scale)
         source = f"DeepSeek's day, first {hours:g} h"
     args = dict(
-        slo_ttft_p95_s=slo_ttft_s, slo_tpot_p95_s=slo_tpot_s, hw=hw, calibration=cal, shapes=shapes
+        slo_ttft_p95_s=slo_ttft_s,
+        slo_tpot_p95_s=slo_tpot_s,
+        hw=hw,
+        calibration=cal,
+        shapes=shapes,
+        kernels=tables,
     )
     result = plan_capacity(trace, **args)
     bounds = step_time_bounds(cal) if cal is not None else {}
@@ -557,6 +621,7 @@ def plan_cmd(
         "workload": source,
         "slo": {"ttft_p95_s": slo_ttft_s, "tpot_p95_s": slo_tpot_s},
         "calibration": _calibration_summary(cal),
+        "kernels": kernels,
         "ranges": None if cal is None else ranges(plan_figures(result), *bound_figures),
         "range_method": range_method(cal is not None, bool(bound_figures))
         + ("" if cal is None else "; null: at that bound no candidate meets the SLOs"),
@@ -781,16 +846,10 @@ def model_cmd(
         help="2: dual micro-batch overlap (DeepSeek's, the default); 1: no overlap.",
     ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
-    kernels: str = typer.Option(
-        "first-principles",
-        "--kernels",
-        help="first-principles, or aiconfigurator: NVIDIA AIConfigurator's measured all-to-all "
-        "and MoE GEMM times where they cover the unit (h100, h200; pip install 'moeinfra[aic]').",
-    ),
+    kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Per-layer time breakdown of one step of one prefill or decode unit."""
-    from moeinfra.serving.kernels import KERNEL_SOURCES, KernelTables
     from moeinfra.serving.perfmodel import PerfModel
     from moeinfra.serving.specs import DEEPSEEK_V3, Deployment, fitting_redundant_experts
     from moeinfra.serving.specs import hardware as hardware_spec
@@ -807,13 +866,7 @@ def model_cmd(
         raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
     if micro_batches not in (None, 1, 2):
         raise InputError(f"--micro-batches={micro_batches} must be 1 or 2")
-    if kernels not in KERNEL_SOURCES:
-        raise InputError(f"--kernels={kernels!r} must be one of {', '.join(KERNEL_SOURCES)}")
-    if kernels != "first-principles" and calibration != "none":
-        raise InputError(
-            f"--kernels={kernels} replaces the first-principles times a calibration scales: "
-            "give --calibration none with it"
-        )
+    tables = _kernel_tables(kernels, calibration, hardware)
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
     cal = _calibration(calibration)
@@ -828,9 +881,6 @@ def model_cmd(
         phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
     )
     if cal is None:
-        tables = (
-            None if kernels == "first-principles" else KernelTables.aiconfigurator(hw_spec.name)
-        )
         perf = PerfModel(dep, hw_spec, kernels=tables)
     else:
         if nodes is None and phase in cal.units:

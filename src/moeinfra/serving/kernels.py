@@ -77,6 +77,18 @@ class Curve:
             f"{tokens:,.0f} tokens per GPU outside the measured {lo:,.0f}-{hi:,.0f}: {self.what}",
         )
 
+    def seconds_at(self, tokens, first_principles):
+        """:meth:`at` over arrays, seconds only: measured or interpolated within the measured
+        tokens, ``first_principles`` (broadcast) outside them."""
+        t = np.asarray(tokens, dtype=np.float64)
+        inside = (t >= self.tokens[0]) & (t <= self.tokens[-1])
+        return np.where(inside, np.interp(t, self.tokens, self.seconds), first_principles)
+
+    def covers(self) -> str:
+        """Where this curve applies: the measured tokens per GPU and what was measured."""
+        lo, hi = (f"{t:,.0f}" if t >= 1 else f"{t:.3g}" for t in (self.tokens[0], self.tokens[-1]))
+        return f"{lo}-{hi} tokens per GPU: {self.what}"
+
 
 @dataclass(frozen=True)
 class KernelTables:
@@ -176,15 +188,14 @@ class KernelTables:
         interpolated where a table covers it, else ``first_principles[part]`` with the reason."""
         out: dict[str, OpTime] = {}
         first = float(first_principles["routed"])
-        curve = self.routed_experts(phase, gpus, shape)
+        curve, curves = self.moe_curves(phase, nodes, gpus, shape)
+        kernel = "normal" if phase == "prefill" else "low_latency"
         if curve is None:
             out["routed"] = OpTime(first, "first-principles", f"no measured EP{gpus} MoE")
         else:
             # measured on all SMs; in the step the experts run on their share of the SMs
             at = curve.at(heaviest_tokens, first * sm_fraction)
             out["routed"] = replace(at, seconds=at.seconds / sm_fraction)
-        kernel = "normal" if phase == "prefill" else "low_latency"
-        curves = self.all_to_all(kernel, nodes, shape) if gpus > 1 else None
         for i, name in enumerate(("dispatch", "combine")):
             first = float(first_principles[name])
             if gpus == 1:
@@ -197,6 +208,15 @@ class KernelTables:
             else:
                 out[name] = curves[i].at(heaviest_tokens, first)
         return out
+
+    def moe_curves(
+        self, phase: str, nodes: int, gpus: int, shape: dict[str, int]
+    ) -> tuple[Curve | None, tuple[Curve, Curve] | None]:
+        """The routed-expert curve and the (dispatch, combine) curves of a ``phase`` unit, each
+        None where nothing was measured (no all-to-all on one GPU)."""
+        kernel = "normal" if phase == "prefill" else "low_latency"
+        a2a = self.all_to_all(kernel, nodes, shape) if gpus > 1 else None
+        return self.routed_experts(phase, gpus, shape), a2a
 
 
 def _measured_on(rows: list[dict], system: str) -> str:

@@ -592,23 +592,58 @@ class PerfModel:
         source; unchanged (and no sources) without tables."""
         if self.kernels is None:
             return routed, dispatch, combine, {}
-        m = self.model
         times = self.kernels.moe_parts(
             self.dep.phase,
             self.dep.nodes,
             self.gpus,
-            {
-                "hidden": m.hidden,
-                "topk": m.experts_per_token,
-                "experts": m.num_routed_experts,
-                "inter": m.moe_intermediate,
-            },
+            self._moe_shape,
             heaviest_tokens=tokens * self.balance.imbalance,
             sm_fraction=sm_fraction,
             first_principles={"routed": routed, "dispatch": dispatch, "combine": combine},
         )
         sources = {name: t.label for name, t in times.items()}
         return times["routed"].seconds, times["dispatch"].seconds, times["combine"].seconds, sources
+
+    def _measured_many(self, tokens, routed, dispatch, combine):
+        """:meth:`_measured` over arrays of micro-batch ``tokens`` per GPU (decode steps of many
+        units at once), seconds only."""
+        curve, a2a = self._kernel_curves
+        heaviest = np.asarray(tokens, dtype=np.float64) * self.balance.imbalance
+        if curve is not None:
+            routed = curve.seconds_at(heaviest, routed)
+        if a2a is not None:
+            dispatch, combine = (
+                c.seconds_at(heaviest, t) for c, t in zip(a2a, (dispatch, combine), strict=True)
+            )
+        return routed, dispatch, combine
+
+    @property
+    def _moe_shape(self) -> dict[str, int]:
+        """The MoE dimensions the measured tables are keyed by."""
+        m = self.model
+        return {
+            "hidden": m.hidden,
+            "topk": m.experts_per_token,
+            "experts": m.num_routed_experts,
+            "inter": m.moe_intermediate,
+        }
+
+    @cached_property
+    def _kernel_curves(self):
+        return self.kernels.moe_curves(self.dep.phase, self.dep.nodes, self.gpus, self._moe_shape)
+
+    def kernel_coverage(self) -> dict[str, str] | None:
+        """Per MoE part, which measured kernel table applies and over which tokens per GPU
+        (outside them, and for every other part, the first-principles time); None without
+        tables."""
+        if self.kernels is None:
+            return None
+        curve, a2a = self._kernel_curves
+        none = f"first-principles (no measured table for this {self.dep.nodes}-node unit)"
+        out = {"routed": none if curve is None else curve.covers()}
+        for i, part in enumerate(("dispatch", "combine")):
+            out[part] = none if a2a is None else a2a[i].covers()
+        return out
 
     def _decode_parts(self, b, kv, queries: int = 1):
         """Per micro-batch parts of a decode step of ``b`` requests per GPU, each with ``queries``
@@ -647,11 +682,6 @@ class PerfModel:
         The step is paced by the slowest DP rank: it holds ``request_imbalance`` x the mean request
         count and ``kv_imbalance`` x the mean KV tokens (from the decode load balancer).
         """
-        if self.kernels is not None:
-            raise InputError(
-                "measured kernel tables apply to one step's breakdown (serve model), not to the "
-                "vectorised decode step of simulate, plan and frontier"
-            )
         queries = self.queries if queries is None else queries
         b = np.maximum(np.asarray(batch_per_gpu, dtype=np.float64), 1e-9) * request_imbalance
         kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
@@ -660,6 +690,10 @@ class PerfModel:
         attn_proj, core, shared, routed, gate, dense, dispatch, combine = self._decode_parts(
             b, kv, queries
         )
+        if self.kernels is not None:
+            routed, dispatch, combine = self._measured_many(
+                b * queries / mb, routed, dispatch, combine
+            )
         moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
         dense_layer = mb * (attn_proj + core + dense)
         head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)

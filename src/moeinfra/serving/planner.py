@@ -22,6 +22,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.calibration import Calibration
+from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.scenario import decode_seconds_per_token
 from moeinfra.serving.schedule import constant_schedule
@@ -322,12 +323,14 @@ def plan_capacity(
     max_units: int = 256,
     config: SimConfig | None = None,
     calibration: Calibration | None = None,
+    kernels: KernelTables | None = None,
     time_scale: tuple[float, float] = (1.0, 1.0),
 ) -> CapacityPlan:
     """Cheapest fleet meeting TTFT p95 <= ``slo_ttft_p95_s`` and per-request TPOT p95 <=
     ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet,
-    over ``shapes`` (default :func:`candidate_shapes`). ``time_scale``: (prefill, decode)
-    multipliers on every step time."""
+    over ``shapes`` (default :func:`candidate_shapes`). ``kernels``: measured kernel tables in
+    place of first-principles times where they cover a unit (not with a calibration).
+    ``time_scale``: (prefill, decode) multipliers on every step time."""
     if not (slo_ttft_p95_s > 0 and slo_tpot_p95_s > 0):
         raise InputError(
             f"slo_ttft_p95_s={slo_ttft_p95_s} and slo_tpot_p95_s={slo_tpot_p95_s} must be > 0"
@@ -337,6 +340,11 @@ def plan_capacity(
     hw = hardware(hw) if isinstance(hw, str) else hw
     eff, kv = DEFAULT_EFFICIENCY, None
     if calibration is not None:
+        if kernels is not None:
+            raise InputError(
+                "measured kernels replace the first-principles times a calibration scales: "
+                "use one or the other"
+            )
         hw = replace(calibration.hardware, gpu_hour_usd=hw.gpu_hour_usd)
         model, eff, kv = calibration.model, calibration.efficiency(), calibration.kv_tokens_per_gpu
     shapes = candidate_shapes(gpus_per_node=hw.gpus_per_node) if shapes is None else shapes
@@ -348,7 +356,9 @@ def plan_capacity(
             models[shape] = tuple(
                 None
                 if dep is None
-                else PerfModel(dep, hw, model, effs[dep.phase], kv_tokens_per_gpu=kv)
+                else PerfModel(
+                    dep, hw, model, effs[dep.phase], kv_tokens_per_gpu=kv, kernels=kernels
+                )
                 for dep in shape.deployments()
             )
             for perf in models[shape]:

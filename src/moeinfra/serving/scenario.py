@@ -13,6 +13,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving.calibration import Calibration
+from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
@@ -218,6 +219,7 @@ def build_scenario(
     balancer: str = "deepseek",
     gpu_hour_usd: float | None = None,
     calibration: Calibration | None = None,
+    kernels: KernelTables | None = None,
     time_scale: tuple[float, float] = (1.0, 1.0),
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
@@ -230,8 +232,10 @@ def build_scenario(
     balancer the autoscaler sizes prefill work for. ``gpu_hour_usd`` replaces the hardware
     preset's price. With a ``calibration``, its hardware, model and fitted factors replace
     ``hardware_name`` and the first-principles figures, and its measured unit shapes are the
-    default units. ``time_scale``: (prefill, decode) multipliers on every step time (the bounds
-    of :mod:`moeinfra.serving.uncertainty`)."""
+    default units. ``kernels``: measured kernel tables in place of the first-principles
+    all-to-all and expert GEMMs where they cover a unit (not with a calibration). ``time_scale``:
+    (prefill, decode) multipliers on every step time (the bounds of
+    :mod:`moeinfra.serving.uncertainty`)."""
     if balancer not in BALANCERS:
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
@@ -244,14 +248,21 @@ def build_scenario(
             hw,
             DEEPSEEK_V3,
             DEFAULT_EFFICIENCY.scaled(k_prefill),
+            kernels=kernels,
         )
         decode = PerfModel(
             decode_dep or deepseek_decode_unit(),
             hw,
             DEEPSEEK_V3,
             DEFAULT_EFFICIENCY.scaled(k_decode),
+            kernels=kernels,
         )
     else:
+        if kernels is not None:
+            raise InputError(
+                "measured kernels replace the first-principles times a calibration scales: "
+                "use one or the other"
+            )
         if gpu_hour_usd is not None:
             calibration = replace(
                 calibration, hardware=replace(calibration.hardware, gpu_hour_usd=gpu_hour_usd)

@@ -251,13 +251,18 @@ def deepseek_day(
 
 
 def constant_demand(
-    output_tokens_per_s: float, hours: float = 1.0, scale: float = 1.0, seed: int = 0
+    output_tokens_per_s: float,
+    hours: float = 1.0,
+    scale: float = 1.0,
+    seed: int = 0,
+    lengths: LengthModel | None = None,
 ) -> Workload:
-    """A steady demand of ``output_tokens_per_s`` (Poisson arrivals) with DeepSeek's published
-    prompt and answer length distributions and cache-hit share, for ``hours``."""
+    """A steady demand of ``output_tokens_per_s`` (Poisson arrivals) for ``hours``, with
+    ``lengths`` (default DeepSeek's published prompt and answer length distributions) and the
+    published cache-hit share."""
     if not (math.isfinite(output_tokens_per_s) and output_tokens_per_s > 0):
         raise InputError(f"output_tokens_per_s={output_tokens_per_s} must be a finite number > 0")
-    lengths = LengthModel.from_published()
+    lengths = lengths or LengthModel.from_published()
     return generate(
         requests_per_s_at_peak=output_tokens_per_s / lengths.mean_output,
         demand=(1.0,),
