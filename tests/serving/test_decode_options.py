@@ -84,26 +84,45 @@ def test_bad_decode_options_are_refused(kwargs, named):
 def colocated_run(workload, units=1, nodes=4, tick_s=0.01):
     prefill = PerfModel(Deployment("prefill", nodes), HW)
     decode = PerfModel(Deployment("decode", nodes), HW)
-    cfg = SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0)
+    cfg = SimConfig(tick_s=tick_s, record_every_s=max(1.0, tick_s), drain_s=600.0)
     schedule = constant_schedule(units, units, workload.duration_s, nodes, nodes, colocated=True)
     return simulate(workload, schedule, prefill, decode, cfg), prefill, decode
 
 
 def test_a_colocated_unit_stops_decoding_while_it_prefills():
-    # request 0 decodes 2,000 tokens alone; request 1 (one output token: prefill only) arrives at
-    # 1 s with a 30K-token prompt; on a colocated unit request 0 finishes later by exactly the
+    # request 0 decodes 2,000 tokens alone; request 1 (one output token: prefill only) arrives
+    # with a 30K-token prompt; on a colocated unit request 0 finishes later by exactly the
     # unit-seconds of that prefill
-    def workload(prompts):
-        n = len(prompts)
-        arrival = np.array([0.0, 1.0][:n])
-        outputs = np.array([2000, 1][:n])
-        return Workload(arrival, np.array(prompts), outputs, np.zeros(n), 1.0, 10.0)
 
-    alone, prefill, decode = colocated_run(workload([1000]))
-    both, _, _ = colocated_run(workload([1000, 30_000]))
-    work = prefill_cost(prefill, decode, workload([1000, 30_000]), "deepseek").work_s[1]
-    assert work > 0.1
-    assert both.finish_s[0] - alone.finish_s[0] == pytest.approx(work, rel=0.02)
+    work = None
+    for tick_s, at in ((0.01, 1.0), (2.0, 1.9)):  # fine ticks; a prefill that spills past a tick
+
+        def workload(prompts, at=at):
+            n = len(prompts)
+            arrival = np.array([0.0, at][:n])
+            outputs = np.array([2000, 1][:n])
+            return Workload(arrival, np.array(prompts), outputs, np.zeros(n), 1.0, 10.0)
+
+        alone, prefill, decode = colocated_run(workload([1000]), tick_s=tick_s)
+        both, _, _ = colocated_run(workload([1000, 30_000]), tick_s=tick_s)
+        work = prefill_cost(prefill, decode, workload([1000, 30_000]), "deepseek").work_s[1]
+        assert work > 0.1
+        assert both.finish_s[0] - alone.finish_s[0] == pytest.approx(work, rel=0.02)
+
+
+def test_a_request_does_not_wait_for_its_own_prefill_twice():
+    # one request alone: on a colocated unit it decodes once its prefill is done, as on a
+    # disaggregated pair, without paying the KV transfer
+    w = Workload(np.array([0.5]), np.array([30_000]), np.array([50]), np.zeros(1), 1.0, 10.0)
+    together, _, _ = colocated_run(w, tick_s=2.0)
+    apart = simulate(
+        w,
+        constant_schedule(1, 1, 10.0, 4, 4),
+        PerfModel(Deployment("prefill", 4), HW),
+        PerfModel(Deployment("decode", 4), HW),
+        SimConfig(tick_s=2.0, record_every_s=2.0, drain_s=600.0),
+    )
+    assert together.tpot_s[0] <= apart.tpot_s[0] * 1.001
 
 
 def test_colocated_units_hold_both_phases_and_count_their_nodes_once():

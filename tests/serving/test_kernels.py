@@ -110,7 +110,7 @@ def test_decode_outside_the_measured_tokens_is_first_principles_not_extrapolated
 
 
 def test_tables_refuse_hardware_they_do_not_have_and_a_missing_package(monkeypatch, tmp_path):
-    with pytest.raises(InputError, match=r"hardware='h800' has no AIConfigurator"):
+    with pytest.raises(InputError, match=r"--hardware='h800' has no AIConfigurator"):
         KernelTables.aiconfigurator("h800")
     monkeypatch.setattr(kernels_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(InputError, match=r"pip install 'moeinfra\[aic\]'"):
@@ -123,7 +123,7 @@ def test_tables_refuse_hardware_they_do_not_have_and_a_missing_package(monkeypat
     "args,message",
     [
         (["--kernels", "aic"], "error: --kernels='aic' must be one of first-principles, "),
-        (["--kernels", "aiconfigurator"], "error: --kernels aiconfigurator: hardware='h800'"),
+        (["--kernels", "aiconfigurator"], "error: --kernels aiconfigurator: --hardware='h800'"),
         (
             ["--kernels", "aiconfigurator", "--calibration", "sglang-h100"],
             "error: --kernels=aiconfigurator replaces the first-principles times",

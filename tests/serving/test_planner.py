@@ -139,7 +139,8 @@ def test_plan_from_a_steady_demand_writes_json_and_a_figure(tmp_path):
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--modes", "both"], "modes"),
+        (["--modes", "both"], "--modes='both'"),
+        (["--workload", "t.csv", "--hours", "2"], "--hours=2.0"),
         (["--micro-batches", "3"], "--micro-batches"),
         (["--max-batch-per-gpu", "x"], "--max-batch-per-gpu"),
         (["--mtp", "1"], "--mtp"),
@@ -154,3 +155,60 @@ def test_plan_refuses_bad_options_in_one_line(args, named):
     done = cli(*args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and named in done.stderr
+
+
+def test_a_burst_gets_the_fewest_units_not_its_five_minute_rate():
+    # 70,000 requests (700 sampled) arrive in 5 minutes and decode for long after: their work
+    # need not be done in those 5 minutes, so the fleet may be smaller than that rate asks
+    from moeinfra.serving.perfmodel import PerfModel
+    from moeinfra.serving.planner import DRAIN_S
+    from moeinfra.serving.schedule import constant_schedule
+    from moeinfra.serving.simulate import COMPLETED, SimConfig, simulate
+    from moeinfra.serving.specs import Deployment, hardware
+
+    rng = np.random.default_rng(1)
+    n = 700
+    burst = Workload(
+        np.sort(rng.uniform(0.0, 300.0, n)),
+        np.full(n, 1000),
+        np.full(n, 3000),
+        np.zeros(n, dtype=np.int64),
+        100.0,
+        300.0,
+    )
+    shapes = [Shape("prefill", 4, 32), Shape("decode", 4, 32)]
+    plan = plan_capacity(burst, slo_ttft_p95_s=30.0, slo_tpot_p95_s=0.2, shapes=shapes)
+    units = plan.decode.units
+    five_minute_rate = 6  # the busiest 5 minutes' decode work / 300 s, at the fastest batch
+    assert plan.decode.lower_bound_units <= units < five_minute_rate
+    fewer = simulate(
+        burst,
+        constant_schedule(256, units - 1, 300.0, 4, 4),
+        PerfModel(Deployment("prefill", 4, 32), hardware("h800")),
+        PerfModel(Deployment("decode", 4, 32), hardware("h800")),
+        SimConfig(drain_s=DRAIN_S),
+    )
+    done = fewer.status == COMPLETED
+    assert not done.all() or np.percentile(fewer.tpot_s[done], 95) > 0.2
+
+
+def test_shapes_that_cannot_be_planned_are_left_out_with_the_reason():
+    # no decode shape holds DeepSeek-V3 on one H800 node: the prefill shapes have no partner
+    with pytest.raises(InputError, match="no decode unit fits to pair it with"):
+        plan_capacity(
+            steady(2.0),
+            slo_ttft_p95_s=2.0,
+            slo_tpot_p95_s=0.05,
+            shapes=[Shape("prefill", 4, 32), Shape("decode", 1, 0)],
+        )
+    # a batch limit below one sampled request (each stands for 100 here) could never admit one
+    sampled = Workload(np.array([0.0, 1.0]), np.array([500, 500]), np.array([50, 50]),
+                       np.zeros(2, dtype=np.int64), 100.0, 60.0)  # fmt: skip
+    plan = plan_capacity(
+        sampled,
+        slo_ttft_p95_s=5.0,
+        slo_tpot_p95_s=0.1,
+        shapes=[Shape("prefill", 4, 32), Shape("decode", 4, 32), Shape("decode", 4, 32, 2, 0, 2.0)],
+    )
+    assert any("less than one sampled request" in why for why in plan.unfit)
+    assert plan.decode.shape.max_batch_per_gpu is None

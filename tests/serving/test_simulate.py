@@ -122,7 +122,7 @@ def test_prefill_queue_is_the_m_m_c_queue():
     arrival = np.cumsum(rng.exponential(1 / rate, n))
     work = rng.exponential(1.0, n)
     queue = PrefillQueue(arrival, work, np.zeros(n), 1.0, c)
-    idx, _, first, refused = queue.admit(0, n, c)
+    idx, _, first, refused, _ = queue.admit(0, n, c)
     assert refused.size == 0 and idx.size == n
     wait = first - arrival - work
     a = rate  # offered load in units (mean work 1 s)

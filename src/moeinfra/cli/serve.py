@@ -476,9 +476,13 @@ def plan_cmd(
         help="--demand: mean prompt and answer tokens (lognormal, CV 1.5 and 1.0; default "
         "DeepSeek's published means).",
     ),
-    hours: float = typer.Option(1.0, "--hours", help="Hours of --demand or the generated day."),
-    scale: float = typer.Option(
-        100.0, "--scale", help="--demand or generated day: real requests per simulated one."
+    hours: float | None = typer.Option(
+        None, "--hours", help="Hours of --demand or the generated day (default 1)."
+    ),
+    scale: float | None = typer.Option(
+        None,
+        "--scale",
+        help="--demand or the generated day: real requests per simulated one (default 100).",
     ),
     slo_ttft_p95: str = typer.Option(
         "2s",
@@ -550,11 +554,23 @@ def plan_cmd(
     slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
     check_positive(demand_scale, "--demand-scale")
+    if workload is not None and demand is not None:
+        raise InputError("--workload and --demand: give one (or neither: DeepSeek's day)")
+    if workload is not None and (hours is not None or scale is not None):
+        raise InputError(
+            f"--hours={hours} / --scale={scale}: for --demand or the generated day; a --workload "
+            "trace has its own duration and scale"
+        )
+    hours = 1.0 if hours is None else hours
+    scale = 100.0 if scale is None else scale
     check_positive(scale, "--scale")
     if not (np.isfinite(hours) and 0 < hours <= 24):
         raise InputError(f"--hours={hours} must be in (0, 24]")
-    if workload is not None and demand is not None:
-        raise InputError("--workload and --demand: give one (or neither: DeepSeek's day)")
+    unknown = [m for m in modes.split(",") if m.strip() not in ("disaggregated", "aggregated")]
+    if unknown:
+        raise InputError(
+            f"--modes={modes!r}: allowed disaggregated, aggregated or both, comma-separated"
+        )
     if lengths is not None and demand is None:
         raise InputError(f"--lengths={lengths!r} applies to --demand only")
     chosen_modes = tuple(m.strip() for m in modes.split(","))

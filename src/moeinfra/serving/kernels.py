@@ -103,7 +103,7 @@ class KernelTables:
         """The tables of the installed ``aiconfigurator-core`` for ``hardware`` (h100 or h200)."""
         if hardware not in AIC_SYSTEMS:
             raise InputError(
-                f"--kernels aiconfigurator: hardware={hardware!r} has no AIConfigurator wide-EP "
+                f"--kernels aiconfigurator: --hardware={hardware!r} has no AIConfigurator wide-EP "
                 f"tables; allowed: {', '.join(AIC_SYSTEMS)}"
             )
         root = data_dir or _aic_data_dir()

@@ -4,13 +4,16 @@ disaggregated (prefill units and decode units) or aggregated (units doing both p
 Disaggregated, TTFT depends only on the prefill side (the first token comes out of prefill) and the
 time per output token only on the decode side, so each side is searched on its own; an aggregated
 (colocated) unit must meet both at once. For every candidate shape the fewest units meeting its
-SLO(s) with no rejection is found by doubling from a lower bound, then bisection, each probe a
-simulation of the workload. The lower bound is the busiest five minutes' work at full utilisation
-and the unit's fastest rate per token (prefill at its nominal step, decode at the largest batch its
-KV cache or batch limit allows), so no fleet of fewer units can carry it. Candidates are searched
-cheapest lower bound first, and one whose lower bound already costs at least the best found (for
-its side; for an aggregated unit, the best fleet of either kind) is not simulated: it is pruned.
-Between fleets of equal cost, the one with more headroom under its SLOs wins.
+SLO(s), with every request served (none rejected, all finished within ``DRAIN_S`` of the window's
+end), is found by bisection between a lower bound and a first guess (doubled until it meets them),
+each probe a simulation of the workload. Work is counted at the unit's fastest rate per token
+(prefill at its nominal step, decode at the largest batch its KV cache or batch limit allows); the
+first guess carries the busiest five minutes' work in those five minutes; the lower bound carries
+the work arriving from any five-minute mark on by the end of the drain, which no fewer units can.
+Candidates are searched cheapest lower bound first, and one whose lower bound already costs more
+than the best found (for its side; for an aggregated unit, the best fleet of either kind) is not
+simulated: it is pruned. Between shapes of equal cost the one with more headroom under its SLOs
+wins; between a disaggregated and an aggregated fleet of equal cost, the disaggregated one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
 from moeinfra.serving.scenario import decode_seconds_per_token
 from moeinfra.serving.schedule import constant_schedule
-from moeinfra.serving.simulate import REJECTED, SimConfig, json_ready, simulate
+from moeinfra.serving.simulate import COMPLETED, SimConfig, json_ready, simulate
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
@@ -37,8 +40,9 @@ from moeinfra.serving.specs import (
 )
 from moeinfra.serving.workload import Workload
 
-PHASES = ("prefill", "decode", "colocated")
 MODES = ("disaggregated", "aggregated")
+#: Seconds after the window a plan's simulations run on: every request must finish by then.
+DRAIN_S = 900.0
 #: nodes per unit searched by default, per phase (which hold the model depends on the GPU's HBM)
 DEFAULT_NODES = {
     "prefill": (1, 2, 4, 8),
@@ -245,7 +249,8 @@ class _Search:
 
     def probe(self, shape: Shape, models, units: int) -> tuple[bool, float | None, float | None]:
         """Simulate ``units`` units of ``shape`` (the other side, if any, ample): (meets its
-        SLOs with no rejection, TTFT p95, TPOT p95); both inf when a request was rejected."""
+        SLOs with every request served, TTFT p95, TPOT p95 — None for a phase the shape does not
+        run, inf when a request was rejected or left unfinished)."""
         prefill, decode = models
         nodes = shape.nodes
         if shape.phase == "colocated":
@@ -262,8 +267,12 @@ class _Search:
             )
         result = simulate(self.workload, schedule, prefill, decode, self.config)
         ttft = tpot = None
-        if np.any(result.status == REJECTED):  # too few units: the latencies say nothing
-            return False, math.inf, math.inf
+        if np.any(result.status != COMPLETED):  # too few units: the latencies say nothing
+            return (
+                False,
+                None if shape.phase == "decode" else math.inf,
+                None if shape.phase == "prefill" else math.inf,
+            )
         good = True
         if shape.phase != "decode":
             ttft = _p95(result.ttft_s)
@@ -273,11 +282,12 @@ class _Search:
             good &= tpot <= self.slo_tpot_s
         return good, ttft, tpot
 
-    def fewest_units(self, shape, models, lower: int):
-        """Doubling from ``lower``, then bisection: (units, meets, TTFT p95, TPOT p95). Doubling
-        stops early when it no longer shortens the missed latency by 1%: the shape's latency at
-        an almost idle unit is over the SLO, and more units cannot help."""
-        lo = hi = lower
+    def fewest_units(self, shape, models, lower: int, guess: int):
+        """Bisection between ``lower`` and ``guess`` (doubled until it meets the SLOs): (units,
+        meets, TTFT p95, TPOT p95). Doubling stops early when it no longer shortens the missed
+        latency by 1%: the shape's latency at an almost idle unit is over the SLO, and more units
+        cannot help."""
+        lo, hi = lower - 1, max(guess, lower)
         good, *figures = self.probe(shape, models, hi)
         while not good and hi < self.max_units:
             lo, hi = hi, min(hi * 2, self.max_units)
@@ -367,6 +377,21 @@ def plan_capacity(
         except InputError as err:
             models.pop(shape, None)
             unfit.append(f"{shape.describe()}: {err}")
+    for shape, pair in list(models.items()):
+        decode = pair[1]
+        limit = shape.max_batch_per_gpu
+        if decode is not None and limit is not None and limit * decode.gpus < workload.scale:
+            del models[shape]
+            unfit.append(
+                f"{shape.describe()}: {limit:g} x {decode.gpus} GPUs is less than one sampled "
+                f"request (each stands for {workload.scale:g})"
+            )
+    phases = {s.phase for s in models}
+    for alone, other in (("prefill", "decode"), ("decode", "prefill")):
+        if alone in phases and other not in phases:
+            for shape in [s for s in models if s.phase == alone]:
+                del models[shape]
+                unfit.append(f"{shape.describe()}: no {other} unit fits to pair it with")
     if not models:
         raise InputError("no candidate unit fits (slots over GPUs, HBM): " + "; ".join(unfit))
 
@@ -383,16 +408,17 @@ def plan_capacity(
 
         return max(fitting, key=biggest)[1]
 
+    config = config or SimConfig()
     search = _Search(
         workload,
-        config or SimConfig(),
+        replace(config, drain_s=max(config.drain_s, DRAIN_S)),
         slo_ttft_p95_s,
         slo_tpot_p95_s,
         max_units,
         partner("prefill", 0),
         partner("decode", 1),
     )
-    bounds = _lower_bounds(workload, models)
+    bounds, guesses = _unit_bounds(workload, models, search.config.drain_s)
     best: dict[str, Option] = {}
     options: list[Option] = []
     # disaggregated sides first: their best fleet prunes aggregated shapes
@@ -410,7 +436,7 @@ def plan_capacity(
         if lower_cost > ceiling:
             options.append(Option(shape, lower, lower, None, None, False, lower_cost, False))
             continue
-        units, good, ttft, tpot = search.fewest_units(shape, models[shape], lower)
+        units, good, ttft, tpot = search.fewest_units(shape, models[shape], lower, guesses[shape])
         cost = units * shape.nodes * hw.node_hour_usd * hours
         option = Option(shape, units, lower, ttft, tpot, good, cost)
         options.append(option)
@@ -428,9 +454,11 @@ def plan_capacity(
     return plan
 
 
-def _lower_bounds(workload: Workload, models: dict) -> dict[Shape, int]:
-    """Per shape, units that carry the busiest 5 minutes' work at 100% utilisation and the
-    unit's fastest rate per token (at least 1): fewer cannot meet any SLO."""
+def _unit_bounds(workload: Workload, models: dict, drain_s: float):
+    """Per shape, at the unit's fastest rate per token and 100% utilisation: (the units that
+    finish the work arriving from any 5-minute mark on by the end of the drain — fewer cannot
+    serve every request —, the units that carry the busiest 5 minutes' work in those 5 minutes:
+    the search's first guess), each at least 1."""
     inputs = workload.input_tokens.astype(np.float64)
     outputs = workload.output_tokens.astype(np.float64)
     hit = float(workload.cached_tokens.sum() / inputs.sum())
@@ -438,7 +466,7 @@ def _lower_bounds(workload: Workload, models: dict) -> dict[Shape, int]:
     slot = (workload.arrival_s // 300).astype(np.int64)
     computed = (workload.input_tokens - workload.cached_tokens) * workload.scale
     generated = workload.output_tokens * workload.scale
-    out = {}
+    lower, guess = {}, {}
     for shape, (prefill, decode) in models.items():
         per_request = np.zeros(workload.size)
         if prefill is not None:
@@ -449,5 +477,8 @@ def _lower_bounds(workload: Workload, models: dict) -> dict[Shape, int]:
             batch = fullest if limit is None else min(fullest, limit)
             per_request += generated * decode_seconds_per_token(decode, batch, mean_kv)
         work = np.bincount(slot, weights=per_request)
-        out[shape] = max(1, math.floor(work.max() / 300.0))
-    return out
+        after = np.cumsum(work[::-1])[::-1]  # work arriving from each 5-minute mark on
+        left = workload.duration_s + drain_s - 300.0 * np.arange(work.size)
+        lower[shape] = max(1, math.ceil(float((after / left).max()) * (1 - 1e-9)))
+        guess[shape] = max(lower[shape], math.floor(work.max() / 300.0))
+    return lower, guess

@@ -67,8 +67,10 @@ class PrefillQueue:
         """Queue requests ``lo..hi-1`` on the first ``units`` units, their work taking
         ``slowdown`` times as long (units sharing a host's cores with busy decode units).
 
-        Returns ``(accepted, unit, first_token_s, refused)``: indices, their unit and first-token
-        time, and the indices refused for waiting longer than ``max_wait_s``.
+        Returns ``(accepted, unit, first_token_s, refused, busy)``: indices, their unit and
+        first-token time, the indices refused for waiting longer than ``max_wait_s``, and each
+        accepted request's ``[start, end)`` on its unit (``[n, 2]``, the queue's own clock: a
+        sampled request occupies its unit ``scale`` requests' time).
         """
         unit = np.empty(hi - lo, dtype=np.int64)
         start = np.empty(hi - lo)
@@ -82,4 +84,5 @@ class PrefillQueue:
         )
         own = np.maximum(work[ok] / self.scale, self.min_latency[idx[ok]] * slowdown)
         first = arrival[ok] + wait + own
-        return idx[ok], unit[ok], first, idx[~ok]
+        busy = np.stack([start[ok], start[ok] + work[ok]], axis=1)
+        return idx[ok], unit[ok], first, idx[~ok], busy

@@ -182,7 +182,7 @@ def ttft_prefill_units(
 
         def meets(count: int, lo=lo, hi=hi) -> bool:
             queue.reset()
-            idx, _, first, _ = queue.admit(lo, hi, count)
+            idx, _, first, _, _ = queue.admit(lo, hi, count)
             return float(np.quantile(first - arrival[idx], quantile)) <= slo_ttft_s
 
         start = int(starts[i])

@@ -158,6 +158,20 @@ def json_ready(value):
     return value
 
 
+def prefill_after(spans: np.ndarray, unit: np.ndarray, since: np.ndarray) -> np.ndarray:
+    """Per request (``unit``, joined at ``since``), the seconds its unit spends in ``spans``
+    (rows ``(unit, start, end)``, disjoint per unit) after it joined."""
+    out = np.zeros(unit.size)
+    for u in np.unique(spans[:, 0]).astype(np.int64):
+        mine = unit == u
+        if not mine.any():
+            continue
+        start, end = spans[spans[:, 0] == u, 1], spans[spans[:, 0] == u, 2]
+        overlap = end[None, :] - np.maximum(start[None, :], since[mine, None])
+        out[mine] = np.maximum(overlap, 0.0).sum(axis=1)
+    return out
+
+
 def fullest_rank_requests(requests, ranks: int):
     """Requests on the fullest of ``ranks`` ranks sharing ``requests`` as evenly as whole
     requests allow: ``ceil(requests / ranks)`` at whole counts, linear in between (``requests`` is
@@ -216,6 +230,12 @@ def simulate(
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
     limit = decode.dep.max_batch_per_gpu
     batch_cap_unit = np.inf if limit is None else limit * decode.gpus
+    if batch_cap_unit < S:
+        raise InputError(
+            f"max_batch_per_gpu={limit} x {decode.gpus} GPUs = {batch_cap_unit:g} requests per "
+            f"unit, fewer than one sampled request (it stands for {S:g}): lower the sampling "
+            "scale or raise the limit"
+        )
     per_step = decode.dep.tokens_per_step  # output tokens a request gains per decode step
     status = np.full(n, RUNNING, dtype=np.int8)
     reason = np.full(n, -1, dtype=np.int8)
@@ -224,6 +244,7 @@ def simulate(
     tpot = np.full(n, np.nan)  # mean time per output token after the first, once finished
     home = np.full(n if colocated else 0, -1, dtype=np.int32)  # colocated: the prefill unit
     prefill_busy = np.zeros(d_max)  # colocated: seconds of the tick each unit spends prefilling
+    busy_spans = np.zeros((0, 3))  # colocated: (unit, start, end) of this tick's prefills
     pend = np.zeros(0, dtype=np.int64)  # waiting for a decode slot, by request index
     # active decode set
     a_idx = np.zeros(0, dtype=np.int64)
@@ -248,7 +269,11 @@ def simulate(
     itl_tokens = np.zeros(itl_edges.size - 1)
     prev_d_units = None
     last_step = np.full(d_max, 0.02)
-    interrupt_s = decode.eff.decode_interrupt_s
+    # the host factors describe units sharing a host's cores; a colocated unit's own prefills
+    # stop its decoding outright (below), so they do not apply on top
+    interrupt_s = 0.0 if colocated else decode.eff.decode_interrupt_s
+    prefill_contention = 0.0 if colocated else prefill.eff.prefill_contention
+    decode_contention = 0.0 if colocated else decode.eff.decode_contention
     prefill_edges = np.zeros(0)  # starts and ends of prefills, not yet reached
     behind = np.zeros(d_max)  # seconds each decode unit owes to prefill edges (shared host)
     lo = 0
@@ -264,18 +289,28 @@ def simulate(
         # ---- arrivals -> prefill ----
         hi = int(np.searchsorted(arrival, t1, side="left"))
         slowdown = 1.0
-        if prefill.eff.prefill_contention and a_idx.size:
+        if prefill_contention and a_idx.size:
             # units sharing the host's cores: the decode units computing slow the prefill
             busy_decode = np.unique(a_unit).size / max(d_units, 1)
-            slowdown += prefill.eff.prefill_contention * busy_decode
-        carry = np.maximum(queue.busy - t0, 0.0) if colocated else None
-        idx, unit, fin, refused = queue.admit(lo, hi, p_units, slowdown)
+            slowdown += prefill_contention * busy_decode
+        carried = np.flatnonzero(queue.busy > t0) if colocated else None
+        carried_end = queue.busy[carried] if colocated else None
+        idx, unit, fin, refused, spans = queue.admit(lo, hi, p_units, slowdown)
         if colocated:
-            # prefill runs first (the decode batch waits): the unit's busy time in this tick is
-            # the work carried in plus the work admitted, less the idle gaps before arrivals
+            # when each unit prefills in this tick: the work carried in from t0, then each
+            # admitted request's span on the unit (its FIFO queue), clipped to the tick
             home[idx] = unit
-            admitted = np.bincount(unit, work[idx] * slowdown, p_max)
-            prefill_busy = np.clip(np.minimum(carry + admitted, queue.busy - t0), 0.0, cfg.tick_s)
+            busy_spans = np.concatenate(
+                [
+                    np.stack([carried, np.full(carried.size, t0), carried_end], axis=1),
+                    np.column_stack([unit, spans]),
+                ]
+            )
+            busy_spans[:, 1:] = np.clip(busy_spans[:, 1:], t0, t1)
+            busy_spans = busy_spans[busy_spans[:, 2] > busy_spans[:, 1]]
+            prefill_busy = np.bincount(
+                busy_spans[:, 0].astype(np.int64), busy_spans[:, 2] - busy_spans[:, 1], p_max
+            )
         status[refused] = REJECTED
         reason[refused] = 0
         np.add.at(work_done_rec, unit, work[idx])
@@ -376,10 +411,10 @@ def simulate(
             step[active] = decode.decode_step_s(
                 paced[active], mean_kv[active], imb["decode_requests"], imb["decode_kv"]
             )
-            if decode.eff.decode_contention:
+            if decode_contention:
                 # units sharing the host's cores: the prefill units' busy share of the tick
                 busy_prefill = np.clip((queue.busy[:p_units] - t0) / cfg.tick_s, 0.0, 1.0).mean()
-                step *= 1.0 + decode.eff.decode_contention * busy_prefill
+                step *= 1.0 + decode_contention * busy_prefill
             last_step = np.where(active, step, last_step)
             lost = np.zeros(d_max)
             if interrupt_s:
@@ -387,16 +422,27 @@ def simulate(
                 behind += np.where(active & decoding, interrupt_s * S * edges_now, 0.0)
                 lost = np.minimum(behind, cfg.tick_s)
                 behind -= lost
+            held = lost[a_unit]  # seconds of this tick each request cannot decode
             if colocated:
-                lost = np.minimum(lost + prefill_busy, cfg.tick_s)
-            gain = np.maximum(run_s - lost[a_unit], 0.0) / step[a_unit] * per_step
+                # its unit's prefill time after the request joined (decoding waits through it)
+                held = held + prefill_after(busy_spans, a_unit, a_from)
+            gain = np.maximum(run_s - held, 0.0) / step[a_unit] * per_step
             produced = np.minimum(gain, remaining)
             out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
             unit_tokens = np.bincount(a_unit, produced, d_max)[active] * S
-            bins = np.clip(np.searchsorted(itl_edges, step[active]) - 1, 0, itl_tokens.size - 1)
             # a step's first token comes a step after the last; an accepted draft comes with it
-            itl_tokens += np.bincount(bins, unit_tokens / per_step, itl_tokens.size)
+            steps_tokens = unit_tokens / per_step
             itl_tokens[0] += unit_tokens.sum() * (1.0 - 1.0 / per_step)
+            if colocated:
+                # the first token of each request after the unit's prefills waited through them
+                waited = np.bincount(a_unit, produced > 0, d_max)[active] * S
+                waited = np.where(prefill_busy[active] > 0, np.minimum(waited, steps_tokens), 0.0)
+                after = step[active] + prefill_busy[active]
+                bins = np.clip(np.searchsorted(itl_edges, after) - 1, 0, itl_tokens.size - 1)
+                itl_tokens += np.bincount(bins, waited, itl_tokens.size)
+                steps_tokens = steps_tokens - waited
+            bins = np.clip(np.searchsorted(itl_edges, step[active]) - 1, 0, itl_tokens.size - 1)
+            itl_tokens += np.bincount(bins, steps_tokens, itl_tokens.size)
             kv_weighted += float((produced * (inputs[a_idx] + a_done + produced / 2)).sum()) * S
             fin = gain >= remaining
             if fin.any():
@@ -404,7 +450,7 @@ def simulate(
                 left = remaining[fin]  # 0 for a request whose only token came from prefill
                 finish_t[f_idx] = (
                     a_from[fin]
-                    + lost[a_unit[fin]]
+                    + held[fin]
                     + left / per_step * np.where(left > 0, step[a_unit[fin]], 0.0)
                 )
                 status[f_idx] = COMPLETED
