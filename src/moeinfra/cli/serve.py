@@ -433,7 +433,7 @@ def simulate_cmd(
 
 def _lengths(text: str | None):
     """``--lengths IN:OUT`` as a LengthModel (None: the published one)."""
-    from moeinfra.serving.workload import LengthModel
+    from moeinfra.serving.workload import MAX_CONTEXT_TOKENS, LengthModel
 
     if text is None:
         return None
@@ -441,9 +441,10 @@ def _lengths(text: str | None):
         mean_in, mean_out = (float(x) for x in text.split(":"))
     except ValueError:
         mean_in = mean_out = float("nan")
-    if not all(np.isfinite(v) and 1 <= v < 131_072 for v in (mean_in, mean_out)):
+    if not all(np.isfinite(v) and 1 <= v < MAX_CONTEXT_TOKENS for v in (mean_in, mean_out)):
         raise InputError(
-            f"--lengths={text!r} must be IN:OUT, mean prompt and answer tokens in [1, 131072)"
+            f"--lengths={text!r} must be IN:OUT, mean prompt and answer tokens in "
+            f"[1, {MAX_CONTEXT_TOKENS})"
         )
     return LengthModel(mean_in, mean_out)
 
@@ -764,10 +765,7 @@ def frontier_cmd(
     from moeinfra.serving.specs import DEEPSEEK_V3
     from moeinfra.serving.specs import hardware as hardware_spec
 
-    parts = [p.strip() for p in nodes.split(",")]
-    if not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise InputError(f"--nodes={nodes!r} must be whole numbers >= 1, comma-separated")
-    counts = [int(p) for p in parts]
+    counts = _node_list(nodes, "--nodes")
     check_positive(kv, "--kv")
     if not 0.0 <= mtp < 1.0:
         raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
@@ -788,7 +786,7 @@ def frontier_cmd(
         model,
         eff,
         mean_kv=kv,
-        nodes=tuple(sorted(set(counts))),
+        nodes=counts,
         kv_tokens_per_gpu=kv_cap,
         mtp_acceptance=mtp,
     )

@@ -293,8 +293,9 @@ def simulate(
             # units sharing the host's cores: the decode units computing slow the prefill
             busy_decode = np.unique(a_unit).size / max(d_units, 1)
             slowdown += prefill_contention * busy_decode
-        carried = np.flatnonzero(queue.busy > t0) if colocated else None
-        carried_end = queue.busy[carried] if colocated else None
+        if colocated:  # units still prefilling at t0, and until when
+            carried = np.flatnonzero(queue.busy > t0)
+            carried_end = queue.busy[carried]
         idx, unit, fin, refused, spans = queue.admit(lo, hi, p_units, slowdown)
         if colocated:
             # when each unit prefills in this tick: the work carried in from t0, then each
