@@ -105,7 +105,10 @@ def test_a_colocated_unit_stops_decoding_while_it_prefills():
 
         alone, prefill, decode = colocated_run(workload([1000]), tick_s=tick_s)
         both, _, _ = colocated_run(workload([1000, 30_000]), tick_s=tick_s)
-        work = prefill_cost(prefill, decode, workload([1000, 30_000]), "deepseek").work_s[1]
+        both_w = workload([1000, 30_000])
+        spans = prefill_cost(prefill, decode, both_w, "deepseek").queue(both_w, 1)
+        spans = spans.admit(0, 2, 1, last=True)[4]
+        work = float((spans[1:, 2] - spans[1:, 1]).sum())  # request 1's steps
         assert work > 0.1
         assert both.finish_s[0] - alone.finish_s[0] == pytest.approx(work, rel=0.02)
 

@@ -15,7 +15,6 @@ from moeinfra.errors import InputError
 from moeinfra.serving.calibration import Calibration
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
-from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import (
     DEFAULT_TARGET,
     FleetSchedule,
@@ -155,7 +154,7 @@ def ttft_prefill_units(
 ) -> np.ndarray:
     """``[intervals]`` fewest prefill units that are at most ``target`` busy and keep the
     interval's TTFT ``quantile`` within ``slo_ttft_s``: the interval's arrivals are run through the
-    simulator's prefill queue (:class:`PrefillQueue`, starting empty), doubling the units from the
+    simulator's prefill queue (:class:`~moeinfra.serving.prefill_queue.PrefillQueue`, starting empty), doubling the units from the
     fewest that are at most ``target`` busy, then bisecting. Like the utilisation policy, it sizes
     for the work that arrives (a perfect forecast). An interval whose requests miss the SLO even
     without queueing gets a unit per sampled request (nothing waits).
@@ -175,14 +174,14 @@ def ttft_prefill_units(
     interval_work = cumulative[bounds[1:]] - cumulative[bounds[:-1]]
     starts = np.maximum(1, np.ceil(interval_work / (span * target)))
     most = int(max(np.diff(bounds).max(), starts.max()))
-    queue = PrefillQueue(arrival, work, service.min_latency_s, workload.scale, most)
+    queue = service.queue(workload, most)
     units = np.ones(span.size, dtype=np.int64)
     for i in np.flatnonzero(np.diff(bounds)):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
 
         def meets(count: int, lo=lo, hi=hi) -> bool:
             queue.reset()
-            idx, _, first, _, _ = queue.admit(lo, hi, count)
+            idx, _, first, _, _ = queue.admit(lo, hi, count, last=True)
             return float(np.quantile(first - arrival[idx], quantile)) <= slo_ttft_s
 
         start = int(starts[i])

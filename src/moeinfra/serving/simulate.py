@@ -1,13 +1,13 @@
 """Discrete-event simulation of a prefill/decode-disaggregated fleet, advanced in fixed ticks.
 
 Request flow: API server -> prefill load balancer (least outstanding work over prefill units) ->
-prefill unit (FIFO; cache-hit prefix read from the on-disk KV cache, the rest computed) -> KV transfer
+prefill unit (whole steps; cache-hit prefix read from the on-disk KV cache, the rest computed) -> KV transfer
 -> decode load balancer (least KV usage over decode units, within the KV capacity) -> decode unit
 (continuous batching: every request in the unit advances one token per decode step) -> response.
 
 Method (docs/serving-model.md): each sampled request stands for ``workload.scale`` real requests; a
-unit's batch is ``scale`` x its sampled requests; prefill is one FIFO queue in front of the units
-(:class:`~moeinfra.serving.prefill_queue.PrefillQueue`, fed once per tick); decode advances every
+unit's batch is ``scale`` x its sampled requests; prefill units run whole steps of the prompts
+waiting (:class:`~moeinfra.serving.prefill_queue.PrefillQueue`, fed once per tick); decode advances every
 request by ``tick / step_time`` tokens per tick, with the step time of its unit's current batch
 from the performance model.
 """
@@ -23,7 +23,6 @@ from moeinfra.errors import InputError
 from moeinfra.serving.balancers import fill_least_loaded
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.perfmodel import PerfModel
-from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.schedule import FleetSchedule
 from moeinfra.serving.unit_cost import BALANCERS, prefill_cost
 from moeinfra.serving.workload import Workload
@@ -210,8 +209,6 @@ def simulate(
     arrival, inputs, outputs = workload.arrival_s, workload.input_tokens, workload.output_tokens
     # ---- prefill cost per request (unit-seconds), from the performance model ----
     pc = prefill_cost(prefill, decode, workload, cfg.balancer)
-    work = pc.work_s
-    work *= S  # a sampled request brings S requests' work to its unit
     imb = pc.imbalance
 
     colocated = schedule.colocated
@@ -226,7 +223,7 @@ def simulate(
 
     # ---- state ----
     p_max, d_max = schedule.max_units
-    queue = PrefillQueue(arrival, work, pc.min_latency_s, S, p_max, cfg.max_prefill_wait_s)
+    queue = pc.queue(workload, p_max, cfg.max_prefill_wait_s)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
     limit = decode.dep.max_batch_per_gpu
     batch_cap_unit = np.inf if limit is None else limit * decode.gpus
@@ -280,7 +277,7 @@ def simulate(
     work_done_rec = np.zeros(p_max)
     end = duration
     for tick in range(last_tick + 1):
-        if tick >= ticks and not (a_idx.size or pend.size):
+        if tick >= ticks and not (a_idx.size or pend.size or queue.pending):
             break
         t0 = tick * cfg.tick_s
         t1 = min(t0 + cfg.tick_s, duration) if tick < ticks else t0 + cfg.tick_s
@@ -296,16 +293,13 @@ def simulate(
         if colocated:  # units still prefilling at t0, and until when
             carried = np.flatnonzero(queue.busy > t0)
             carried_end = queue.busy[carried]
-        idx, unit, fin, refused, spans = queue.admit(lo, hi, p_units, slowdown)
+        idx, unit, fin, refused, spans = queue.admit(lo, hi, p_units, slowdown, until=t1)
         if colocated:
-            # when each unit prefills in this tick: the work carried in from t0, then each
-            # admitted request's span on the unit (its FIFO queue), clipped to the tick
+            # when each unit prefills in this tick: the step carried in from t0, then the steps
+            # started in it, clipped to the tick
             home[idx] = unit
             busy_spans = np.concatenate(
-                [
-                    np.stack([carried, np.full(carried.size, t0), carried_end], axis=1),
-                    np.column_stack([unit, spans]),
-                ]
+                [np.stack([carried, np.full(carried.size, t0), carried_end], axis=1), spans]
             )
             busy_spans[:, 1:] = np.clip(busy_spans[:, 1:], t0, t1)
             busy_spans = busy_spans[busy_spans[:, 2] > busy_spans[:, 1]]
@@ -314,15 +308,14 @@ def simulate(
             )
         status[refused] = REJECTED
         reason[refused] = 0
-        np.add.at(work_done_rec, unit, work[idx])
+        work_done_rec += np.bincount(spans[:, 0].astype(np.int64), spans[:, 2] - spans[:, 1], p_max)
         first_token[idx] = fin
         h = np.minimum(fin // 3600, hours - 1).astype(np.int64)
         first_hour += np.bincount(h, minlength=hours)
         in_hour += np.bincount(h, inputs[idx], hours)
         hit_hour += np.bincount(h, workload.cached_tokens[idx], hours)
         if interrupt_s:
-            own = np.maximum(work[idx] / S, pc.min_latency_s[idx]) * slowdown
-            prefill_edges = np.concatenate([prefill_edges, fin - own, fin])
+            prefill_edges = np.concatenate([prefill_edges, spans[:, 1], spans[:, 2]])
         pend = np.concatenate([pend, idx])
         lo = max(lo, hi)
         # ---- scale-down: move decode requests off units that stop ----
@@ -420,7 +413,7 @@ def simulate(
             lost = np.zeros(d_max)
             if interrupt_s:
                 # units sharing the host's cores: each prefill starting or ending costs decode
-                behind += np.where(active & decoding, interrupt_s * S * edges_now, 0.0)
+                behind += np.where(active & decoding, interrupt_s * edges_now, 0.0)
                 lost = np.minimum(behind, cfg.tick_s)
                 behind -= lost
             held = lost[a_unit]  # seconds of this tick each request cannot decode
@@ -464,7 +457,7 @@ def simulate(
             rec_batch[r] += batch / rec_every
             rec_kv[r] += kv_tokens * S / kv_cap_unit / rec_every
             rec_step[r] = np.where(active, step, rec_step[r])
-        drained = tick + 1 >= ticks and not (a_idx.size or pend.size)
+        drained = tick + 1 >= ticks and not (a_idx.size or pend.size or queue.pending)
         if (tick + 1) % rec_every == 0 or tick == last_tick or (drained and cfg.drain_s):
             span = (tick % rec_every + 1) * cfg.tick_s
             rec_putil[r] = np.minimum(work_done_rec / span, 1.0)
@@ -472,7 +465,7 @@ def simulate(
             if progress is not None:
                 progress(t1)
     seconds_per_token = pc.seconds_per_token
-    del queue, work, pc  # their per-request arrays: 16 bytes a request
+    del queue, pc  # their per-request arrays
 
     # ---- accounting ----
     done_tokens = np.isfinite(first_token).astype(np.float32)  # the first token, from prefill

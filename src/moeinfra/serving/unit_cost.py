@@ -17,6 +17,7 @@ from moeinfra.serving.balancers import (
     decode_imbalance,
 )
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.workload import Workload
 
 #: In-unit DP-rank balancers: this package's (``"deepseek"``) or round robin / least requests.
@@ -30,7 +31,11 @@ class PrefillCost:
     ``work_s``: unit-seconds the request occupies the unit at its nominal batch (its share of the
     uncached tokens, its attention cost, the slowest DP rank). ``min_latency_s``: the step of its own
     tokens alone plus the time outside the units (``Efficiency.request_overhead_s``), the fastest
-    its first token can come. ``imbalance``: DP-rank imbalance factors.
+    its first token can come. ``imbalance``: DP-rank imbalance factors. ``tokens``: uncached prompt
+    tokens. A step's time at ``step_tokens`` tokens per rank (up to ``rank_budget``, the unit's
+    ``tokens_per_gpu``, on each of ``ranks``): ``step_rank_s`` at its busiest rank's tokens (that
+    rank's attention, shared experts, all-to-all, overheads) plus ``step_routed_s`` at the mean
+    (the routed experts see every rank's tokens).
     """
 
     work_s: np.ndarray
@@ -38,6 +43,30 @@ class PrefillCost:
     seconds_per_token: float
     attn_share: float
     imbalance: dict
+    tokens: np.ndarray
+    step_tokens: np.ndarray
+    step_rank_s: np.ndarray
+    step_routed_s: np.ndarray
+    ranks: int
+    rank_budget: float
+    request_overhead_s: float
+
+    def queue(self, workload: Workload, max_units: int, max_wait_s: float = np.inf) -> PrefillQueue:
+        """The whole-step queue of up to ``max_units`` units for ``workload``'s requests."""
+        return PrefillQueue(
+            workload.arrival_s,
+            self.work_s * workload.scale,
+            self.tokens,
+            step_tokens=self.step_tokens,
+            step_rank_s=self.step_rank_s,
+            step_routed_s=self.step_routed_s,
+            ranks=self.ranks,
+            rank_budget=self.rank_budget,
+            scale=workload.scale,
+            max_units=max_units,
+            request_overhead_s=self.request_overhead_s,
+            max_wait_s=max_wait_s,
+        )
 
 
 def prefill_cost(
@@ -65,12 +94,14 @@ def prefill_cost(
         weighted += float((computed * keys).sum())
     mean_keys = weighted / max(inputs_sum - cached_sum, 1.0) if n else 1.0
     grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
-    grid_s = np.array(
-        [prefill.prefill_breakdown(tokens_per_gpu=g, prompt_len=g).step_s for g in grid]
-    )
-    work, min_latency = np.empty(n), np.empty(n)
+    steps = [prefill.prefill_breakdown(tokens_per_gpu=g, prompt_len=g) for g in grid]
+    grid_s = np.array([b.step_s for b in steps])
+    # the routed experts see every rank's tokens (the mean); the rest of a step, its rank's
+    routed_s = np.array([b.layer.sum() * b.parts["routed"].sum() / b.compute.sum() for b in steps])
+    work, min_latency, tokens = np.empty(n), np.empty(n), np.empty(n)
     for lo, hi in chunks:  # a chunk at a time: a day's requests never hold float temporaries
         computed, keys = _computed_and_keys(workload, lo, hi)
+        tokens[lo:hi] = computed
         part = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
         part *= imb["prefill"]
         work[lo:hi] = part
@@ -80,7 +111,20 @@ def prefill_cost(
         )
         part += prefill.eff.request_overhead_s
         min_latency[lo:hi] = part
-    return PrefillCost(work, min_latency, s_per_token, attn_share, imb)
+    return PrefillCost(
+        work,
+        min_latency,
+        s_per_token,
+        attn_share,
+        imb,
+        tokens,
+        grid,
+        grid_s - routed_s,
+        routed_s,
+        prefill.gpus,
+        float(prefill.dep.tokens_per_gpu),
+        prefill.eff.request_overhead_s,
+    )
 
 
 #: Requests per chunk of :func:`prefill_cost`'s per-request arithmetic.
