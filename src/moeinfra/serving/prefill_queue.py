@@ -81,10 +81,10 @@ def _bank(
     time, a Poisson process at the share's rate, each a copy of a sample whose spread is running
     (drawn at random; the share's mean since the one before if none is found)."""
     _fleet_at(fleet, t, tmp)
-    share = np.empty(3)
+    share = tmp  # the unit's share of what arrived since its last banking, in place
     for k in range(3):
         share[k] = (tmp[k] - unit_state[u, _G_CNT + k]) / units
-        unit_state[u, _G_CNT + k] = tmp[k]
+        unit_state[u, _G_CNT + k] += share[k] * units
     lo = max(fleet[_FIRST], fleet[_NEXT] - SPREAD)
     count = fleet[_ROUTED] - lo
     while share[0] > 0.0 and unit_state[u, _F_CNT] + share[0] >= unit_state[u, _THR] - 1e-9:
@@ -238,19 +238,17 @@ def _spread(fleet, i, sign, arrival, tokens, work, scale, mean_gap, ahead):  # p
     j = i + SPREAD
     end = arrival[j] if j < n else arrival[n - 1] + (j - n + 1) * mean_gap
     unseen = scale - 1.0
-    size = np.array([unseen, unseen * tokens[i], unseen * work[i] / scale])
+    per_prompt = (1.0, tokens[i], work[i] / scale)
     if end - arrival[i] <= 0.0:  # all at once
         if sign > 0:
-            fleet[_CNT] += size[0]
-            fleet[_TOK] += size[1]
-            fleet[_WORK] += size[2]
+            for k in range(3):
+                fleet[_CNT + k] += unseen * per_prompt[k]
         return
     fleet[_ACTIVE] += sign
     for k in range(3):
         # exactly none when none runs (float sums of opposite signs leave a residue)
-        fleet[_R_CNT + k] = (
-            fleet[_R_CNT + k] + sign * size[k] / (end - arrival[i]) if fleet[_ACTIVE] > 0 else 0.0
-        )
+        rate = fleet[_R_CNT + k] + sign * unseen * per_prompt[k] / (end - arrival[i])
+        fleet[_R_CNT + k] = rate if fleet[_ACTIVE] > 0 else 0.0
 
 
 @njit(cache=True)
@@ -312,6 +310,8 @@ def _run(
             t, ends_spread = until, False
         t = min(t, until)
         for u in range(started):
+            if busy[u] >= t or (u >= units and head[u] < 0 and unit_state[u, _A_CNT] < 1e-9):
+                continue  # mid-step, or stopped with nothing to do: a call costs more than this
             n_done, got = _advance(
                 u, t, units, slowdown, ranks, rank_budget, grid_tokens, grid_rank_s, grid_routed_s,
                 overhead, seed, tokens, work, scale, fleet, unit_state, busy, head, queued_work,
