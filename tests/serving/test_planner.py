@@ -99,7 +99,7 @@ def test_aggregated_wins_at_small_demand_and_disaggregated_at_large():
     small = plan_capacity(steady(0.5), **slo, shapes=shapes)
     assert small.mode == "aggregated" and small.nodes == 4  # one unit does both
     assert small.disaggregated_cost_usd == 2 * small.cost_usd
-    large = plan_capacity(steady(150.0, prompt=(4000, 12000)), **slo, shapes=shapes)
+    large = plan_capacity(steady(150.0, 120.0, prompt=(4000, 12000)), **slo, shapes=shapes)
     assert large.mode == "disaggregated", large.to_dict()
     assert large.colocated is None or large.colocated.cost_usd > large.cost_usd
 
