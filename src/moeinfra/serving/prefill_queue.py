@@ -12,10 +12,10 @@ units, ``request_overhead_s``). Each request is routed on arrival to the running
 least outstanding work.
 
 Sampling rule (docs/serving-model.md): a sampled request stands for ``scale`` real ones. One of
-them arrives at the sampled instant; the other ``scale - 1`` (the same prompt) arrive evenly over
-the interval to the next sampled arrival, shared by the running units, and are served in the steps
-as real prompts are (an idle unit starts a step when one whole prompt has arrived). At
-``scale = 1`` this is exact. The loop is compiled with numba (a day has ~1.5M sampled requests).
+them arrives at the sampled instant; the other ``scale - 1`` arrive at an even rate until the
+``SPREAD``-th sampled arrival after it, shared by the running units; on each unit they arrive as a
+Poisson process, each a copy of a sample whose spread is running, and are served in the steps as
+real prompts are (an idle unit starts a step when one arrives). At ``scale = 1`` this is exact. The loop is compiled with numba (a day has ~1.5M sampled requests).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def _advance(
     tmp,
 ):  # pragma: no cover
     """Form unit ``u``'s steps that start before ``until`` (no later than the fleet's next
-    change of rates); returns the updated ``(n_done,
-    n_spans)``, or ``n_spans = -1`` when ``spans`` is full (call again with a larger one)."""
+    change of rates); returns the updated ``(n_done, n_spans)``, or ``n_spans = -1`` when
+    ``spans`` is full (call again with a larger one)."""
     running = u < units
     budget_tokens = ranks * rank_budget
     while True:
@@ -315,7 +315,8 @@ def _run(
             n_done, got = _advance(
                 u, t, units, slowdown, ranks, rank_budget, grid_tokens, grid_rank_s, grid_routed_s,
                 overhead, seed, tokens, work, scale, fleet, unit_state, busy, head, queued_work,
-                nxt, rem_tok, rem_work, ahead, done_idx, done_first, done_unit, n_done, spans, n_spans, tmp,
+                nxt, rem_tok, rem_work, ahead, done_idx, done_first, done_unit, n_done, spans,
+                n_spans, tmp,
             )  # fmt: skip
             if got < 0:
                 counts[0], counts[1], counts[2], counts[3] = i, n_done, n_ref, n_spans

@@ -205,7 +205,7 @@ def simulate(
     S = workload.scale
     duration = min(workload.duration_s, schedule.duration_s)
     n = workload.size
-    # per request: 20 bytes of workload, 42 of state (docs/serving-model.md, section 4)
+    # per request: 20 bytes of workload, ~90 of state with the prefill queue (docs/serving-model.md, section 4)
     arrival, inputs, outputs = workload.arrival_s, workload.input_tokens, workload.output_tokens
     # ---- prefill cost per request (unit-seconds), from the performance model ----
     pc = prefill_cost(prefill, decode, workload, cfg.balancer)
