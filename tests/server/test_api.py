@@ -72,6 +72,24 @@ def test_streaming_chat_with_usage_matches_non_streaming(client, model):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_every_token_is_streamed_even_before_its_text_is_complete(client, model):
+    """One chunk per token, as vLLM streams: a token ending inside a UTF-8 character (15% of the
+    tiny BPE's vocabulary) gets a chunk with empty text, so a client's time to first token is the
+    first token's, not the first whole character's."""
+    stream = client.completions.create(
+        model=model,
+        prompt="disaggregated",
+        max_tokens=48,
+        temperature=1.0,
+        seed=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts = [c.choices[0].text for c in stream if c.choices[0].finish_reason is None]
+    assert len(texts) == 48
+    assert "" in texts  # the case this test is about occurred
+
+
 def test_n_choices_and_seeded_sampling_are_reproducible(client, model):
     kwargs = dict(model=model, prompt="KV cache", max_tokens=8, temperature=1.0, seed=11, n=3)
     a = client.completions.create(**kwargs)
@@ -181,6 +199,24 @@ def test_a_full_system_answers_503_with_retry_after(server, model):
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
     assert sum(r.status_code == 200 for r in codes) >= 12
+
+
+def test_trace_prompts_share_the_same_blocks_under_every_seed(tmp_path):
+    from moeinfra.server.bench import synthetic_trace, trace_requests
+
+    trace = synthetic_trace(tmp_path / "t.jsonl", 40, 2.0, block_tokens=16, seed=2)
+
+    def opens_with_the_common_block(requests):
+        opens = [tuple(r.prompt_ids[:16]) for r in requests]
+        common = max(set(opens), key=opens.count)
+        return [o == common for o in opens]
+
+    a, b = (trace_requests(trace, vocab=1000, block_tokens=16, seed=s) for s in (0, 1))
+    shared = opens_with_the_common_block(a)
+    assert 5 < sum(shared) < 35
+    assert opens_with_the_common_block(b) == shared
+    assert all(x.prompt_ids != y.prompt_ids for x, y in zip(a, b, strict=True))
+    assert [len(x.prompt_ids) for x in a] == [len(y.prompt_ids) for y in b]
 
 
 def test_bench_replays_a_trace_whose_hash_ids_really_share_prefixes(server, tmp_path):

@@ -340,7 +340,12 @@ def register(app: typer.Typer) -> None:
             help="At most this many requests in flight; a request due while they are waits "
             "(not counted in its TTFT). Default: no limit.",
         ),
-        seed: int = typer.Option(0, "--seed"),
+        seed: int = typer.Option(
+            0,
+            "--seed",
+            help="Draws the arrivals (--rate) and the prompts' tokens: a second run with the same "
+            "seed on the same server finds the first run's prompts in its prefix caches.",
+        ),
         out: Path = typer.Option(Path("bench"), "--out", "-o", help="Folder for JSON + figure."),
         quiet: bool = typer.Option(False, "--quiet", "-q"),
     ) -> None:
@@ -367,7 +372,7 @@ def register(app: typer.Typer) -> None:
             b.poisson_arrivals(requests, 4.0 if rate is None else rate, seed)
         else:
             requests = b.trace_requests(
-                workload, vocab=vocab, block_tokens=block_tokens, limit=num_requests
+                workload, vocab=vocab, block_tokens=block_tokens, limit=num_requests, seed=seed
             )
             if rate is not None:
                 b.poisson_arrivals(requests, rate, seed)

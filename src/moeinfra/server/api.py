@@ -304,8 +304,8 @@ def create_app(
             raise
         return choices
 
-    async def _events(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str]]:
-        """``(choice, new text)`` as tokens arrive, until every choice finished."""
+    async def _events(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str, int]]:
+        """``(choice, new text, new tokens)`` as tokens arrive, until every choice finished."""
         by_id = {c.tracked.request_id: c for c in choices}
         events = choices[0].tracked.events
         left = len(choices)
@@ -335,7 +335,7 @@ def create_app(
                 choice.finish_reason = "length" if event.finish_reason == "length" else "stop"
                 left -= 1
                 _record(choice)
-            yield choice, event.new_text
+            yield choice, event.new_text, len(event.new_token_ids)
 
     def _record(choice: _Choice) -> None:
         if metrics is None:
@@ -388,9 +388,11 @@ def create_app(
                 first = chunk(c, None)
                 if first is not None:
                     yield _sse(first)
-            async for choice, text in _events(choices):
+            async for choice, text, tokens in _events(choices):
                 choice.tracked.streamed = True
-                if text:
+                # a chunk for every token, even one whose text is not complete yet (vLLM does the
+                # same): the client's time to first token is the first token's
+                if text or tokens:
                     yield _sse(chunk(choice, text))
                 if choice.finish_reason is not None:
                     yield _sse(final(choice))

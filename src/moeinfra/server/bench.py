@@ -55,8 +55,9 @@ class BenchResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def token_block(block_id: int, block_tokens: int, vocab: int) -> list[int]:
-    rng = np.random.default_rng([int(block_id) & 0xFFFFFFFF, 0x6D6F65])
+def token_block(block_id: int, block_tokens: int, vocab: int, seed: int = 0) -> list[int]:
+    """The token ids of block ``block_id`` (the same ids for the same block and ``seed``)."""
+    rng = np.random.default_rng([int(block_id) & 0xFFFFFFFF, 0x6D6F65, seed])
     return rng.integers(1, vocab, block_tokens).tolist()
 
 
@@ -68,12 +69,14 @@ def trace_requests(
     limit: int | None = None,
     time_scale: float = 1.0,
     max_model_len: int | None = None,
+    seed: int = 0,
 ) -> list[BenchRequest]:
     """Requests of a Mooncake-style JSONL trace, arrival times from 0, ``time_scale`` x slower.
 
     Prompts are the blocks of their ``hash_ids`` (cut to ``input_length``; lines without
-    ``hash_ids`` get a prompt of their own). Requests longer than ``max_model_len`` are refused
-    with the line number."""
+    ``hash_ids`` get a prompt of their own), the blocks' tokens drawn with ``seed`` (replaying a
+    trace twice on one server with the same seed finds the first replay's prompts in its prefix
+    caches). Requests longer than ``max_model_len`` are refused with the line number."""
     path = Path(path)
     if path.suffix.lower() != ".jsonl":
         raise InputError(f"--workload={str(path)!r} must be a .jsonl trace or 'synthetic'")
@@ -105,9 +108,9 @@ def trace_requests(
             first = t if first is None else first
             ids: list[int] = []
             for h in hashes:
-                ids += token_block(h, block_tokens, vocab)
+                ids += token_block(h, block_tokens, vocab, seed)
             if len(ids) < n_in:  # a prompt's own tail
-                ids += token_block(-line_no - 1, n_in - len(ids), vocab)
+                ids += token_block(-line_no - 1, n_in - len(ids), vocab, seed)
             out.append(BenchRequest((t - first) * time_scale, ids[:n_in], n_out))
             if limit is not None and len(out) >= limit:
                 break
@@ -132,7 +135,7 @@ def synthetic_requests(
     if num_requests < 1:
         raise InputError(f"--num-requests={num_requests} must be >= 1")
     rng = np.random.default_rng(seed)
-    system = token_block(10**9, shared_prefix_tokens, vocab)
+    system = token_block(10**9, shared_prefix_tokens, vocab, seed)
     out = []
     for _ in range(num_requests):
         n_in = int(rng.integers(input_tokens[0], input_tokens[1] + 1))
