@@ -5,9 +5,10 @@ prefill and one decode unit of two ranks, an on-disk KV cache) is calibrated wit
 calibrate``'s probe load; then a different workload — a Mooncake-style trace with Poisson arrivals
 and a shared system-prompt block, never seen by the fit — is replayed live (``serve bench``) and
 through the calibrated simulator (``serve simulate``'s model). The live replay runs ``--repeats``
-times on the same server (the machine is shared: one replay's latencies move by ~20%); the table
-compares the median of the live figures with the prediction and shows their range. Prints the
-calibration's fit and held-out errors and the live / predicted table.
+times on the same server, each time with fresh prompt tokens (the machine is shared: one replay's
+latencies move by ~20%); the table compares the median of the live figures with the prediction
+and shows their range. Prints the calibration's fit and held-out errors and the live / predicted
+table.
 """
 
 from __future__ import annotations
@@ -36,15 +37,26 @@ def main() -> None:
     with ServerProcess(args) as server:
         calibration = calibrate_live(server.url)
         trace = b.synthetic_trace(folder / "trace.jsonl", opts.requests, opts.rate, seed=opts.seed)
-        requests = b.trace_requests(trace, vocab=1000, block_tokens=64)
         runs = []
-        for _ in range(opts.repeats):
+        for repeat in range(opts.repeats):
+            # the same trace with fresh prompt tokens: a repeat of the same prompts would find
+            # them in the server's prefix caches, which the simulated trace does not have
+            requests = b.trace_requests(trace, vocab=1000, block_tokens=64, seed=repeat)
             results, wall = asyncio.run(b.replay(server.url, requests))
             runs.append(b.summarize(results, wall))
     predicted = predict_replay(trace, calibration)
     rows = [compare(live, predicted) for live in runs]
     errors = calibration.errors()
     print(f"calibration factors: {calibration.factors}")
+    jitter = calibration.prefill_step_jitter
+    if jitter:
+        print(
+            "prefill step / like steps' median, 5/50/95th percentile: "
+            + " / ".join(
+                f"{np.interp(q, np.linspace(0, 1, len(jitter)), jitter):.2f}"
+                for q in (0.05, 0.5, 0.95)
+            )
+        )
     for split in ("fit", "validation"):
         e = errors[split]
         print(

@@ -15,6 +15,7 @@ from moeinfra.serving.calibration import (
     efficiency_with,
     fit_calibration,
     fit_measurements,
+    jitter_quantiles,
     load_calibration,
     model_spec,
     predict_seconds,
@@ -92,6 +93,26 @@ def test_file_round_trip_keeps_predictions(tmp_path):
     np.testing.assert_allclose(back.predict(back.fit_points), cal.predict(cal.fit_points))
     data = json.loads(path.read_text())
     assert data["source"] == "synthetic" and "predicted" in data["fit_points"][0]
+
+
+def test_the_prefill_step_jitter_is_kept_in_the_file_and_checked(tmp_path):
+    rng = np.random.default_rng(0)
+    spread = jitter_quantiles(rng.lognormal(0.0, 0.3, 200))
+    assert len(spread) == 21 and spread[10] == pytest.approx(1.0, abs=0.1)
+    assert jitter_quantiles([1.0, 1.1]) == ()  # too few steps to tell
+    cal = replace(
+        fit_calibration("t", "synthetic", measured_points(), H800, DEEPSEEK_V3),
+        prefill_step_jitter=spread,
+    )
+    assert cal.efficiency().prefill_step_jitter == spread
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    assert load_calibration(str(path)).prefill_step_jitter == spread
+    data = json.loads(path.read_text())
+    data["prefill_step_jitter"] = [1.2, 0.8]
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="prefill_step_jitter=.*increasing"):
+        load_calibration(str(path))
 
 
 def test_measurements_file(tmp_path):

@@ -42,14 +42,37 @@ def test_a_prompt_over_the_budget_is_continued_in_the_next_steps():
     assert first[0] == pytest.approx(0.30 + 0.01)
 
 
-def test_steps_start_only_when_their_prompts_are_known():
+def test_every_step_time_is_drawn_from_the_jitter_quantiles():
+    # a constant jitter of 2: the first test's prompts, its steps twice as long (so B, C and D
+    # all arrive during A's step and share the next: 80 ms of work, x 2)
+    q = queue(
+        [0.0, 0.02, 0.06, 0.07], [0.01, 0.01, 0.03, 0.04], [100] * 4, step_s=0.05,
+        step_jitter=[2.0, 2.0],
+    )  # fmt: skip
+    _, _, first, _, _ = q.admit(0, 4, 1, last=True)
+    np.testing.assert_allclose(first, [0.10, 0.26, 0.26, 0.26])
+    # quantiles 0.5 / 1 / 2 at probabilities 0 / 0.5 / 1: a step is as likely shorter as longer
+    n = 4000
+    q = queue(np.arange(n) * 1.0, np.zeros(n), np.full(n, 100.0), step_s=0.05,
+              step_jitter=[0.5, 1.0, 2.0])  # fmt: skip
+    _, _, _, _, spans = q.admit(0, n, 1, last=True)
+    ratio = (spans[:, 2] - spans[:, 1]) / 0.05
+    assert ratio.min() >= 0.5 and ratio.max() <= 2.0
+    assert np.median(ratio) == pytest.approx(1.0, abs=0.03)
+    assert np.mean(ratio) == pytest.approx((0.75 + 1.5) / 2, abs=0.03)
+
+
+@pytest.mark.parametrize("jitter", [(), (0.5, 1.0, 2.0)])
+def test_steps_start_only_when_their_prompts_are_known(jitter):
     """Fed a tick at a time, the queue forms the same steps as fed at once."""
     rng = np.random.default_rng(3)
     n = 400
     arrival = np.sort(rng.random(n) * 20)
     work, tokens = rng.random(n) * 0.1, rng.integers(50, 900, n)
-    whole = queue(arrival, work, tokens, units=3, step_s=0.04).admit(0, n, 3, last=True)
-    q = queue(arrival, work, tokens, units=3, step_s=0.04)
+    whole = queue(arrival, work, tokens, units=3, step_s=0.04, step_jitter=jitter).admit(
+        0, n, 3, last=True
+    )
+    q = queue(arrival, work, tokens, units=3, step_s=0.04, step_jitter=jitter)
     parts, lo = [], 0
     for t1 in np.arange(0.25, 20.5, 0.25):
         hi = int(np.searchsorted(arrival, t1))

@@ -444,6 +444,19 @@ def test_a_lone_request_paces_its_unit_as_one_request_on_one_rank():
     assert res.tpot_s[0] - spread.mean() > 10 * abs(res.tpot_s[0] - one.mean())
 
 
+def test_the_calibrated_step_jitter_stretches_prefill_steps():
+    """A step time drawn from a spread that is 2x everywhere: a lone prompt's first token comes
+    twice as late."""
+    from dataclasses import replace
+
+    w = Workload(np.array([0.0]), np.array([3000]), np.array([4]), np.zeros(1), 1.0, 60.0)
+    cfg = SimConfig(tick_s=0.01, drain_s=600.0)
+    plain = simulate(w, constant_schedule(1, 1, 60.0), PREFILL, DECODE, cfg)
+    slow = PerfModel(PREFILL.dep, HW, eff=replace(PREFILL.eff, prefill_step_jitter=(2.0, 2.0)))
+    jittered = simulate(w, constant_schedule(1, 1, 60.0), slow, DECODE, cfg)
+    assert jittered.ttft_s[0] == pytest.approx(2 * plain.ttft_s[0], rel=1e-6)
+
+
 def test_a_prefill_slows_by_the_share_of_decode_units_that_decode():
     """Prefill contention: the slowdown is 1 + c x (decode units with requests / decode units);
     with one of two decode units busy, half of c."""

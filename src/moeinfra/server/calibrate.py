@@ -22,7 +22,13 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.server.bench import BenchRequest, replay, token_block
-from moeinfra.serving.calibration import Calibration, StepPoint, fit_calibration, model_spec
+from moeinfra.serving.calibration import (
+    Calibration,
+    StepPoint,
+    fit_calibration,
+    jitter_quantiles,
+    model_spec,
+)
 from moeinfra.serving.specs import Deployment, HardwareSpec
 
 #: Token ids of probe prompts are drawn below this (any id the tokenizer knows; step times do not
@@ -178,13 +184,9 @@ def boundaries_within(steps: list[dict], others: list[dict]) -> np.ndarray:
     return np.searchsorted(edges, end, side="left") - np.searchsorted(edges, start, side="right")
 
 
-def step_points(units: list[dict]) -> list[StepPoint]:
-    """Binned :class:`StepPoint` of the ``units`` of ``GET /calibration/steps`` (prefill steps of
-    prefill and colocated units, decode steps of decode and colocated units; mixed steps left out).
-    A bin: one phase and unit shape, tokens within a quarter octave (prefill) or equal (decode),
-    attended keys per token within half an octave, the share of the step during which another
-    unit stepped (the units share this host's cores) in thirds, and for decode how many prefill
-    steps of other units started or ended inside it (0, 1, 2, 3 or more)."""
+def _binned_steps(units: list[dict]) -> dict[tuple, list[dict]]:
+    """The steps of ``units`` (of ``GET /calibration/steps``) in bins of like steps (see
+    :func:`step_points`), keyed by (phase, unit shape, size, keys, contention, interrupts)."""
     bins: dict[tuple, list[dict]] = defaultdict(list)
     for k, unit in enumerate(units):
         engine = unit["engine"]
@@ -207,8 +209,18 @@ def step_points(units: list[dict]) -> list[StepPoint]:
             bins[(*key, min(edge, 3))].append(
                 s | {"keys": keys, "contended": float(share), "interrupts": edge}
             )
+    return bins
+
+
+def step_points(units: list[dict]) -> list[StepPoint]:
+    """Binned :class:`StepPoint` of the ``units`` of ``GET /calibration/steps`` (prefill steps of
+    prefill and colocated units, decode steps of decode and colocated units; mixed steps left out).
+    A bin: one phase and unit shape, tokens within a quarter octave (prefill) or equal (decode),
+    attended keys per token within half an octave, the share of the step during which another
+    unit stepped (the units share this host's cores) in thirds, and for decode how many prefill
+    steps of other units started or ended inside it (0, 1, 2, 3 or more)."""
     points = []
-    for (phase, (_ranks, redundant, mb), *_), rows in sorted(bins.items()):
+    for (phase, (_ranks, redundant, mb), *_), rows in sorted(_binned_steps(units).items()):
         points.append(
             StepPoint(
                 phase,
@@ -225,6 +237,17 @@ def step_points(units: list[dict]) -> list[StepPoint]:
             )
         )
     return points
+
+
+def prefill_step_spread(units: list[dict]) -> np.ndarray:
+    """Each prefill step's time over the median of its bin (:func:`step_points`; bins of at least
+    three steps): how much like steps vary on this host."""
+    ratios = [
+        np.array([r["seconds"] for r in rows]) / np.median([r["seconds"] for r in rows])
+        for key, rows in _binned_steps(units).items()
+        if key[0] == "prefill" and len(rows) >= 3
+    ]
+    return np.concatenate(ratios) if ratios else np.zeros(0)
 
 
 async def _get_steps(url: str) -> dict:
@@ -320,6 +343,7 @@ def calibrate_live(
     return replace(
         calibration,
         factors=calibration.factors | {"request_overhead_s": request_overhead(alone, alone_steps)},
+        prefill_step_jitter=jitter_quantiles(prefill_step_spread(info["units"])),
     )
 
 
@@ -365,7 +389,7 @@ def _last_steps(info: dict) -> dict[str, int]:
 def request_overhead(ttft_s: list[float], step_s: list[float]) -> float:
     """A request's time outside the engine step that computes its first token (API server,
     router, transport): the median time to first token of prompts sent alone less the median of
-    the prefill steps they ran (>= 0; a prompt whose one token was empty text has no time)."""
+    the prefill steps they ran (>= 0)."""
     ttft_s = [t for t in ttft_s if t is not None]
     if not ttft_s or not step_s:
         return 0.0
@@ -380,10 +404,13 @@ def predict_replay(
     decode_units: int = 1,
     block_tokens: int = 64,
     tick_s: float = 0.005,
+    trials: int = 8,
 ) -> dict:
     """The calibrated simulator's figures for replaying ``trace`` on a fixed fleet, in the shape of
     :func:`moeinfra.server.bench.summarize` (latency percentiles in seconds, throughput over the
-    time from the first arrival to the last finish)."""
+    time from the first arrival to the last finish). With a step-time spread in the calibration,
+    ``trials`` simulations with different draws are pooled (latencies) and averaged (throughput):
+    the prediction is the expected replay, not one draw of it."""
     from moeinfra.server.bench import percentiles
     from moeinfra.serving.scenario import build_scenario
     from moeinfra.serving.simulate import COMPLETED, SimConfig
@@ -393,16 +420,22 @@ def predict_replay(
     scenario = build_scenario(
         workload=workload, fleet=(prefill_units, decode_units), calibration=calibration
     )
-    result = scenario.run(SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0))
-    done = result.status == COMPLETED
-    span = float(np.nanmax(result.finish_s)) if done.any() else float("nan")
-    outputs = float(workload.output_tokens[done].sum())
+    ttft, tpot, speed, completed = [], [], [], []
+    for seed in range(trials if calibration.prefill_step_jitter else 1):
+        cfg = SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0, seed=seed)
+        result = scenario.run(cfg)
+        done = result.status == COMPLETED
+        span = float(np.nanmax(result.finish_s)) if done.any() else float("nan")
+        ttft.append(result.ttft_s[done])
+        tpot.append(result.tpot_s[done][np.isfinite(result.tpot_s[done])])
+        speed.append(float(workload.output_tokens[done].sum()) / span if span > 0 else 0.0)
+        completed.append(int(done.sum()))
     return {
         "requests": int(workload.size),
-        "completed": int(done.sum()),
-        "ttft_s": percentiles(x for x in result.ttft_s[done]),
-        "tpot_s": percentiles(x for x in result.tpot_s[done] if np.isfinite(x)),
-        "throughput": {"output_tokens_per_s": outputs / span if span > 0 else 0.0},
+        "completed": min(completed),
+        "ttft_s": percentiles(np.concatenate(ttft)),
+        "tpot_s": percentiles(np.concatenate(tpot)),
+        "throughput": {"output_tokens_per_s": float(np.mean(speed))},
         "cache_hit_rate": float(workload.cached_tokens.sum() / workload.input_tokens.sum()),
     }
 

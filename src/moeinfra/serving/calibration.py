@@ -136,9 +136,13 @@ class Calibration:
     kv_tokens_per_gpu: float | None = None
     created: str = ""
     version: int = FORMAT_VERSION
+    prefill_step_jitter: tuple[float, ...] = ()
 
     def efficiency(self) -> Efficiency:
-        return efficiency_with(self.factors, self.gemm_table)
+        return replace(
+            efficiency_with(self.factors, self.gemm_table),
+            prefill_step_jitter=self.prefill_step_jitter,
+        )
 
     def perf_model(self, dep: Deployment, time_scale: float = 1.0) -> PerfModel:
         """The performance model of ``dep`` on this calibration's hardware and model, every step
@@ -211,6 +215,7 @@ class Calibration:
             "units": {phase: asdict(dep) for phase, dep in self.units.items()},
             "factors": dict(self.factors),
             "fitted": list(self.fitted),
+            "prefill_step_jitter": list(self.prefill_step_jitter),
             "errors": self.errors(),
             "fit_points": [
                 asdict(p) | {"predicted": float(s)}
@@ -264,6 +269,7 @@ class Calibration:
                 units={k: Deployment(**v) for k, v in data.get("units", {}).items()},
                 kv_tokens_per_gpu=data.get("kv_tokens_per_gpu"),
                 created=str(data.get("created", "")),
+                prefill_step_jitter=_jitter(data.get("prefill_step_jitter", ()), where),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise InputError(f"{where}: malformed calibration ({err!r})") from None
@@ -273,6 +279,34 @@ class Calibration:
 #: calibrate --measurements`` on the published figures in ``data/measurements/<name>.json`` (each
 #: names its source).
 BUILTIN = ("deepseek-h800", "sglang-h100")
+
+
+#: Quantiles a calibration keeps of its step-time spread.
+JITTER_QUANTILES = 21
+
+
+def jitter_quantiles(ratios) -> tuple[float, ...]:
+    """The spread of step times as :data:`JITTER_QUANTILES` quantiles of ``ratios`` (each step's
+    time over the median of its like steps), at evenly spaced probabilities from 0 to 1; empty
+    when fewer than :data:`JITTER_QUANTILES` steps were measured."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    if ratios.size < JITTER_QUANTILES:
+        return ()
+    return tuple(float(q) for q in np.quantile(ratios, np.linspace(0, 1, JITTER_QUANTILES)))
+
+
+def _jitter(values, where: str) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    if out and (
+        len(out) < 2
+        or not all(math.isfinite(v) and v > 0 for v in out)
+        or any(b < a for a, b in zip(out, out[1:], strict=False))
+    ):
+        raise InputError(
+            f"{where}: prefill_step_jitter={list(out)!r} must be at least two increasing "
+            "positive quantiles (or empty)"
+        )
+    return out
 
 
 def builtin_file(name: str, kind: str = "calibrations"):

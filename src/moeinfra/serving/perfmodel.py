@@ -116,6 +116,11 @@ class Efficiency:
     decode_interrupt_s: seconds a decode unit on the same host loses each time a prefill step
         starts or ends (the prefill unit's host work around its step: scheduling, hand-off,
         detokenisation); 0 for units that have their own GPUs.
+    prefill_step_jitter: quantiles, at evenly spaced probabilities from 0 to 1, of a prefill
+        step's time over the median of like steps (same tokens, keys and contention); the
+        simulator draws every step's time from them (a step's first tokens wait for its slowest
+        rank, so a slow step is a TTFT tail). Empty in the first-principles model (every step its
+        modelled time), measured by a live calibration.
     """
 
     gemm_tflops: dict[str, dict[int, float]] = field(
@@ -152,6 +157,7 @@ class Efficiency:
     decode_contention: float = 0.0
     decode_interrupt_s: float = 0.0
     prompt_overhead_s: float = 0.0
+    prefill_step_jitter: tuple[float, ...] = ()
 
     def __hash__(self) -> int:  # the dict fields are not hashable; the repr holds every value
         return hash(repr(self))

@@ -31,9 +31,9 @@ SPREAD = 512
 # part of the next one arriving (count, tokens, work), the fleet's cumulative unseen arrivals at
 # the last banking (count, tokens, work), all unseen tokens arrived and served so far (FIFO order
 # between unseen and sampled prompts), the count at which the next unseen prompt arrives, draws,
-# the largest unseen prompt waiting
+# the largest unseen prompt waiting, the steps formed
 _A_CNT, _A_TOK, _A_WORK, _F_CNT, _F_TOK, _F_WORK, _G_CNT, _G_TOK, _G_WORK = range(9)
-_ARRIVED, _SERVED, _THR, _DRAWS, _A_MAX = range(9, 14)
+_ARRIVED, _SERVED, _THR, _DRAWS, _A_MAX, _STEPS = range(9, 15)
 # fleet state: cumulative unseen arrivals (count, tokens, work) at time _T and their rates; the
 # next sample whose arrival (real or past the last) ends the spread of sample ``- SPREAD``; the first
 # sample routed since the reset, how many spreads are running, and the samples routed
@@ -126,6 +126,7 @@ def _advance(
     grid_tokens,
     grid_rank_s,
     grid_routed_s,
+    jitter,
     overhead,
     seed,
     tokens_all,
@@ -217,6 +218,10 @@ def _advance(
         busiest = min(rank_budget, max(mean, biggest))
         paced = np.interp(busiest, grid_tokens, grid_rank_s)
         step = max(paced + np.interp(mean, grid_tokens, grid_routed_s), work) * slowdown
+        if jitter.size:  # this step's time / its modelled time, drawn from the measured spread
+            draw = _uniform(seed ^ 0x2545F491, u, unit_state[u, _STEPS])
+            step *= np.interp(draw, np.linspace(0.0, 1.0, jitter.size), jitter)
+        unit_state[u, _STEPS] += 1.0
         end = start + step
         for k in range(first_done, n_done):
             done_first[k] = end + overhead
@@ -272,6 +277,7 @@ def _run(
     grid_tokens,
     grid_rank_s,
     grid_routed_s,
+    jitter,
     overhead,
     fleet,
     unit_state,
@@ -314,9 +320,9 @@ def _run(
                 continue  # mid-step, or stopped with nothing to do: a call costs more than this
             n_done, got = _advance(
                 u, t, units, slowdown, ranks, rank_budget, grid_tokens, grid_rank_s, grid_routed_s,
-                overhead, seed, tokens, work, scale, fleet, unit_state, busy, head, queued_work,
-                nxt, rem_tok, rem_work, ahead, done_idx, done_first, done_unit, n_done, spans,
-                n_spans, tmp,
+                jitter, overhead, seed, tokens, work, scale, fleet, unit_state, busy, head,
+                queued_work, nxt, rem_tok, rem_work, ahead, done_idx, done_first, done_unit, n_done,
+                spans, n_spans, tmp,
             )  # fmt: skip
             if got < 0:
                 counts[0], counts[1], counts[2], counts[3] = i, n_done, n_ref, n_spans
@@ -368,8 +374,10 @@ class PrefillQueue:
     worth); ``tokens``: ``[n]`` uncached prompt tokens of one request; a step takes
     ``step_rank_s`` at its busiest rank's tokens plus ``step_routed_s`` (default none) at the mean
     tokens per rank, both on the grid ``step_tokens``; ``ranks`` x
-    ``rank_budget`` tokens per step; ``request_overhead_s``: added to every first token;
-    ``seed``: of the unseen prompts' arrival times.
+    ``rank_budget`` tokens per step; ``step_jitter``: quantiles (at evenly spaced probabilities
+    from 0 to 1) of a step's time over its modelled time, drawn for every step (empty: each
+    step takes its modelled time); ``request_overhead_s``: added to every first token; ``seed``:
+    of the unseen prompts' arrival times and the steps' jitter.
     """
 
     def __init__(
@@ -381,6 +389,7 @@ class PrefillQueue:
         step_tokens: np.ndarray,
         step_rank_s: np.ndarray,
         step_routed_s: np.ndarray | None = None,
+        step_jitter=(),
         ranks: int,
         rank_budget: float,
         scale: float,
@@ -397,6 +406,7 @@ class PrefillQueue:
         self.step_rank_s = np.ascontiguousarray(step_rank_s, dtype=np.float64)
         routed = np.zeros_like(self.step_rank_s) if step_routed_s is None else step_routed_s
         self.step_routed_s = np.ascontiguousarray(routed, dtype=np.float64)
+        self.step_jitter = np.ascontiguousarray(step_jitter, dtype=np.float64)
         self.ranks, self.rank_budget = int(ranks), float(rank_budget)
         self.scale, self.max_wait_s = float(scale), float(max_wait_s)
         self.overhead = float(request_overhead_s)
@@ -414,7 +424,7 @@ class PrefillQueue:
         self.head = np.full(units, -1, dtype=np.int64)
         self.tail = np.full(units, -1, dtype=np.int64)
         self.queued_work = np.zeros(units)
-        self.unit_state = np.zeros((units, 14))
+        self.unit_state = np.zeros((units, 15))
         self.fleet = np.zeros(11)
         self.fleet[_T] = self.arrival[0] if self.arrival.size else 0.0
         self.fleet[_FIRST] = -1.0
@@ -463,7 +473,8 @@ class PrefillQueue:
             lo, hi, units, self.started, slowdown, until, last, self.max_wait_s, self.scale, self.seed,
             self.arrival,
             self.work, self.tokens, self.mean_gap, self.ranks, self.rank_budget,
-            self.step_tokens, self.step_rank_s, self.step_routed_s, self.overhead, self.fleet, self.unit_state,
+            self.step_tokens, self.step_rank_s, self.step_routed_s, self.step_jitter, self.overhead,
+            self.fleet, self.unit_state,
             self.busy, self.head, self.tail, self.queued_work, self.nxt, self.rem_tok,
             self.rem_work, self.ahead, done_idx, done_first, done_unit, refused, spans, counts,
         ):  # fmt: skip

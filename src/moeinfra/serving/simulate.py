@@ -39,7 +39,8 @@ class SimConfig:
     is rejected. balancer: ``"deepseek"`` (the balancers of this package) or ``"baseline"``
     (round robin / least requests) for the DP ranks inside a unit. drain_s: after the workload's
     window, go on simulating for up to this long so the requests in flight finish (their tokens
-    and latencies count; the fleet's cost stays the window's).
+    and latencies count; the fleet's cost stays the window's). seed: of the simulation's own
+    draws (the unseen prompts of sampled requests, prefill step-time jitter).
     """
 
     tick_s: float = 2.0
@@ -49,6 +50,7 @@ class SimConfig:
     prices: Prices = R1_PRICES
     record_every_s: float = 60.0
     drain_s: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.drain_s < float("inf"):
@@ -223,7 +225,7 @@ def simulate(
 
     # ---- state ----
     p_max, d_max = schedule.max_units
-    queue = pc.queue(workload, p_max, cfg.max_prefill_wait_s)
+    queue = pc.queue(workload, p_max, cfg.max_prefill_wait_s, seed=cfg.seed)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
     limit = decode.dep.max_batch_per_gpu
     batch_cap_unit = np.inf if limit is None else limit * decode.gpus

@@ -35,7 +35,8 @@ class PrefillCost:
     tokens. A step's time at ``step_tokens`` tokens per rank (up to ``rank_budget``, the unit's
     ``tokens_per_gpu``, on each of ``ranks``): ``step_rank_s`` at its busiest rank's tokens (that
     rank's attention, shared experts, all-to-all, overheads) plus ``step_routed_s`` at the mean
-    (the routed experts see every rank's tokens).
+    (the routed experts see every rank's tokens); ``step_jitter``: the spread of step times
+    (``Efficiency.prefill_step_jitter``).
     """
 
     work_s: np.ndarray
@@ -50,8 +51,11 @@ class PrefillCost:
     ranks: int
     rank_budget: float
     request_overhead_s: float
+    step_jitter: tuple[float, ...] = ()
 
-    def queue(self, workload: Workload, max_units: int, max_wait_s: float = np.inf) -> PrefillQueue:
+    def queue(
+        self, workload: Workload, max_units: int, max_wait_s: float = np.inf, seed: int = 0
+    ) -> PrefillQueue:
         """The whole-step queue of up to ``max_units`` units for ``workload``'s requests."""
         return PrefillQueue(
             workload.arrival_s,
@@ -60,12 +64,14 @@ class PrefillCost:
             step_tokens=self.step_tokens,
             step_rank_s=self.step_rank_s,
             step_routed_s=self.step_routed_s,
+            step_jitter=self.step_jitter,
             ranks=self.ranks,
             rank_budget=self.rank_budget,
             scale=workload.scale,
             max_units=max_units,
             request_overhead_s=self.request_overhead_s,
             max_wait_s=max_wait_s,
+            seed=seed,
         )
 
 
@@ -124,6 +130,7 @@ def prefill_cost(
         prefill.gpus,
         float(prefill.dep.tokens_per_gpu),
         prefill.eff.request_overhead_s,
+        prefill.eff.prefill_step_jitter,
     )
 
 
