@@ -27,7 +27,7 @@ from moeinfra.server.process import ServerProcess
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
