@@ -321,7 +321,7 @@ def test_planner_finds_fewer_units_for_less_traffic():
     from moeinfra.serving.planner import Shape, plan_capacity
 
     light = small_workload(rate=5.0, hours=0.05, seed=3)
-    heavy = small_workload(rate=400.0, hours=0.05, seed=3)
+    heavy = small_workload(rate=100.0, hours=0.05, seed=3)
     kw = dict(
         slo_ttft_p95_s=1.0,
         slo_tpot_p95_s=0.05,
