@@ -3,7 +3,8 @@
 The first-principles model (:mod:`moeinfra.serving.perfmodel`) stays as it is; a calibration is a
 separate, named input — a JSON file holding the hardware and model it was measured on, the measured
 steps it was fitted on, the steps held out to validate it, the fitted factors and both residuals.
-Factors (:data:`FACTORS`): multipliers on the modelled GEMM, core-attention and all-to-all times,
+Factors (:data:`FACTORS`): multipliers on the modelled GEMM, core-attention (prefill and decode
+apart) and all-to-all times,
 the fixed seconds of one all-to-all call and of one step (host scheduling, launches, sampling),
 how much a step slows while another unit computes on the same host, and the seconds a decode step
 loses each time a prefill step starts or ends during it (units sharing one CPU host; each fitted
@@ -30,7 +31,7 @@ from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, H800_FP8_TFLOPS, Effi
 from moeinfra.serving.specs import Deployment, HardwareSpec, ModelSpec
 
 FORMAT_VERSION = 1
-MULTIPLIERS = ("gemm_time", "attention_time", "comm_time")
+MULTIPLIERS = ("gemm_time", "attention_time", "decode_attention_time", "comm_time")
 CONTENTION = {"prefill": "prefill_contention", "decode": "decode_contention"}
 INTERRUPT = "decode_interrupt_s"
 FACTORS = (
@@ -46,6 +47,7 @@ MEASURED = ("request_overhead_s",)
 BOUNDS = {
     "gemm_time": (1e-3, 1e5),
     "attention_time": (1e-3, 1e5),
+    "decode_attention_time": (1e-3, 1e5),
     "comm_time": (1e-3, 1e5),
     "comm_launch_s": (0.0, 1.0),
     "step_overhead_s": (0.0, 10.0),
@@ -57,6 +59,8 @@ BOUNDS = {
 #: Optional in a file (0 when absent: files written before these factors existed; for host
 #: sharing, calibrations of units with their own GPUs).
 OPTIONAL = frozenset({*CONTENTION.values(), INTERRUPT, "prompt_overhead_s"})
+#: Split from ``attention_time`` later: a file without it had one factor for both phases.
+SPLIT_FROM = {"decode_attention_time": "attention_time"}
 #: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
 #: count (a CPU host: no tensor-core tile effects).
 GEMM_TABLES = ("deepgemm-h800", "flat")
@@ -244,9 +248,14 @@ class Calibration:
                     f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
                 )
             point_keys = StepPoint.__dataclass_fields__
-            factors = {k: float(data["factors"][k]) for k in FACTORS if k not in OPTIONAL}
-            factors |= {k: float(data["factors"].get(k, 0.0)) for k in sorted(OPTIONAL)}
-            factors |= {k: float(data["factors"][k]) for k in MEASURED if k in data["factors"]}
+            given = data["factors"]
+            factors = {
+                k: float(given[k] if k in given or k not in SPLIT_FROM else given[SPLIT_FROM[k]])
+                for k in FACTORS
+                if k not in OPTIONAL
+            }
+            factors |= {k: float(given.get(k, 0.0)) for k in sorted(OPTIONAL)}
+            factors |= {k: float(given[k]) for k in MEASURED if k in given}
             gemm_table = data.get("gemm_table", "deepgemm-h800")
             if gemm_table not in GEMM_TABLES:
                 raise InputError(f"{where}: gemm_table={gemm_table!r} is not one of {GEMM_TABLES}")
@@ -421,6 +430,10 @@ def fit_calibration(
     per_token = [p.sampled / p.tokens for p in points if p.phase == "prefill" and p.sampled > 0]
     if not per_token or max(per_token) < 1.5 * min(per_token):
         free = tuple(f for f in free if f != "prompt_overhead_s")
+    # decode attention is told apart from the rest of a decode step only if KV lengths vary
+    kv = [p.keys for p in points if p.phase == "decode"]
+    if not kv or max(kv) < 1.5 * max(min(kv), 1e-9):
+        free = tuple(f for f in free if f != "decode_attention_time")
     ordered = sorted(points, key=lambda p: (p.phase, p.tokens, p.keys, p.contended, p.interrupts))
     k = hold_out_every
     held = ordered[k - 1 :: k] if k else []

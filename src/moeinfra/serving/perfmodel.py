@@ -100,10 +100,13 @@ class Efficiency:
     step_overhead_s: per forward step, host-side scheduling plus kernel-launch gaps: ~1.5 ms + ~2 ms
         measured by Alibaba's RTP-LLM on H800 in DeepSeek's EP144 decode configuration.
     memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
-    gemm_time / attention_time / comm_time: multipliers on the modelled GEMM (projections, experts,
-        gate, dense MLPs, LM head), core-attention and all-to-all (bandwidth and low-latency) times;
-        1 in the first-principles model, fitted by a calibration
-        (:mod:`moeinfra.serving.calibration`).
+    gemm_time / attention_time / decode_attention_time / comm_time: multipliers on the modelled
+        GEMM (projections, experts, gate, dense MLPs, LM head), prefill core-attention, decode
+        core-attention and all-to-all (bandwidth and low-latency) times; 1 in the first-principles
+        model, fitted by a calibration (:mod:`moeinfra.serving.calibration`). Prefill and decode
+        attention are different kernels (prefill: multi-head attention over the prompt,
+        compute-bound; decode: MLA's absorbed form over the latent cache, near HBM-bound), so one
+        factor fitted to one does not carry to the other.
     request_overhead_s: seconds a request spends outside the units before its first token (API
         server, router, transport); 0 in the first-principles model, measured by a live calibration.
     prefill_contention / decode_contention: share by which a prefill / decode step slows while
@@ -151,6 +154,7 @@ class Efficiency:
     memory_usable: float = 0.9
     gemm_time: float = 1.0
     attention_time: float = 1.0
+    decode_attention_time: float = 1.0
     comm_time: float = 1.0
     request_overhead_s: float = 0.0
     prefill_contention: float = 0.0
@@ -175,6 +179,7 @@ class Efficiency:
 TIME_TERMS = (
     "gemm_time",
     "attention_time",
+    "decode_attention_time",
     "comm_time",
     "comm_launch_s",
     "step_overhead_s",
@@ -448,9 +453,9 @@ class PerfModel:
             "expert_up" + kind, tokens, 2 * inter, hidden, sm_fraction, experts
         ) + self._deepgemm("expert_down" + kind, tokens, hidden, inter, sm_fraction, experts)
 
-    def _attention(self, flops, kv_bytes, sm_fraction: float = 1.0):
+    def _attention(self, factor: float, flops, kv_bytes, sm_fraction: float = 1.0):
         hw, eff = self.hw, self.eff
-        return eff.attention_time * np.maximum(
+        return factor * np.maximum(
             flops / (hw.bf16_tflops * 1e12 * eff.attention_compute * sm_fraction),
             kv_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
         )
@@ -541,6 +546,7 @@ class PerfModel:
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         attn_proj = self._mla_projections(nb, nb * (1 + cached_per_token), sm)
         core = self._attention(
+            eff.attention_time,
             2 * m.num_heads * (qk + m.v_head_dim) * nb * keys,
             nb * (1 + cached_per_token) * 2 * m.kv_values_per_token_layer,
             sm,
@@ -665,7 +671,9 @@ class PerfModel:
         attn_proj = np.interp(log_tokens, grid, attn_curve)
         kv_vals = m.kv_values_per_token_layer
         core = self._attention(
-            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * tokens * kv, nb * kv * 2 * kv_vals
+            self.eff.decode_attention_time,
+            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * tokens * kv,
+            nb * kv * 2 * kv_vals,
         )
         shared = np.interp(log_tokens, grid, shared_curve)
         routed = np.interp(log_tokens, grid, routed_curve)
