@@ -79,9 +79,20 @@ def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(t
         def plain(p):
             return httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
 
+        def decoding_per_unit() -> list[float]:
+            health = httpx.get(f"{srv.url}/health").json()["units"]
+            return [
+                metric(srv.url, "moeinfra:unit_running_requests", f'unit="{u}"')
+                for u, info in health.items()
+                if info["role"] == "decode"
+            ]
+
         with cf.ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(_stream, srv.url, {**body, "prompt": p, "stream": True})
                        for p in prompts]  # fmt: skip
+            # the streams first, until both decode units hold one: whichever unit is killed
+            # then holds a stream (the plain requests could otherwise all sit on the victim)
+            wait_until(lambda: (n := decoding_per_unit()) and min(n) >= 1 and sum(n) >= 4)
             whole = [pool.submit(plain, p) for p in prompts]
             wait_until(
                 lambda: (
