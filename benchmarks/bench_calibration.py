@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,11 +52,16 @@ def main() -> None:
     jitter = calibration.prefill_step_jitter
     if jitter:
         print(
-            "prefill step / like steps' median, 5/50/95th percentile: "
+            "prefill step / like steps' median, min / 5 / 50 / 95th percentile / max: "
             + " / ".join(
                 f"{np.interp(q, np.linspace(0, 1, len(jitter)), jitter):.2f}"
-                for q in (0.05, 0.5, 0.95)
+                for q in (0.0, 0.05, 0.5, 0.95, 1.0)
             )
+        )
+        steady = predict_replay(trace, replace(calibration, prefill_step_jitter=()))
+        print(
+            "without the spread: TTFT p50 / p95 "
+            f"{steady['ttft_s']['p50'] * 1e3:.1f} / {steady['ttft_s']['p95'] * 1e3:.1f} ms"
         )
     for split in ("fit", "validation"):
         e = errors[split]

@@ -71,9 +71,18 @@ def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(t
                          "--decode-units", "2"])  # fmt: skip
     try:
         prompts = ["hello world", "KV cache", "The decode unit", "Prefill and decode"]
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        # the streams run four times longer than the plain requests: they are still decoding
+        # when the unit is killed, however long the plain ones took to reach decode
         with LLM(tiny_bpe, block_size=16, num_kv_blocks=256) as llm:
-            expected = [r.outputs[0].text for r in llm.generate(prompts, params)]
+            expected, expected_stream = (
+                [
+                    r.outputs[0].text
+                    for r in llm.generate(
+                        prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                    )
+                ]
+                for n in (200, 800)
+            )
         body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
         def plain(p):
@@ -88,8 +97,12 @@ def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(t
             ]
 
         with cf.ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_stream, srv.url, {**body, "prompt": p, "stream": True})
-                       for p in prompts]  # fmt: skip
+            streams = [
+                pool.submit(
+                    _stream, srv.url, {**body, "max_tokens": 800, "prompt": p, "stream": True}
+                )
+                for p in prompts
+            ]
             # the streams first, until both decode units hold one: whichever unit is killed
             # then holds a stream (the plain requests could otherwise all sit on the victim)
             wait_until(lambda: (n := decoding_per_unit()) and min(n) >= 1 and sum(n) >= 4)
@@ -115,7 +128,7 @@ def test_a_killed_decode_unit_fails_or_retries_its_requests_and_the_rest_go_on(t
         failed = [ev for ev, done in results if not done]
         assert failed, "the killed unit held no stream"
         assert all("error" in ev[-1] for ev in failed)
-        for (ev, done), text in zip(results, expected, strict=True):
+        for (ev, done), text in zip(results, expected_stream, strict=True):
             if done:
                 assert "".join(e["choices"][0]["text"] for e in ev if e.get("choices")) == text
         # the server goes on with the unit it has left, and nothing is left in flight

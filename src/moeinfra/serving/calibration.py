@@ -290,16 +290,20 @@ class Calibration:
 BUILTIN = ("deepseek-h800", "sglang-h100")
 
 
-#: Quantiles a calibration keeps of its step-time spread.
-JITTER_QUANTILES = 21
+#: Quantiles a calibration keeps of its step-time spread (percentiles: the slowest step measured
+#: stands for the slowest 1% drawn, not 5% as with 21 quantiles, where one outlier among ~100
+#: probe steps lengthened every twentieth simulated step).
+JITTER_QUANTILES = 101
+#: Fewer like steps than this tell nothing of their spread.
+JITTER_MIN_STEPS = 21
 
 
 def jitter_quantiles(ratios) -> tuple[float, ...]:
     """The spread of step times as :data:`JITTER_QUANTILES` quantiles of ``ratios`` (each step's
     time over the median of its like steps), at evenly spaced probabilities from 0 to 1; empty
-    when fewer than :data:`JITTER_QUANTILES` steps were measured."""
+    when fewer than :data:`JITTER_MIN_STEPS` steps were measured."""
     ratios = np.asarray(ratios, dtype=np.float64)
-    if ratios.size < JITTER_QUANTILES:
+    if ratios.size < JITTER_MIN_STEPS:
         return ()
     return tuple(float(q) for q in np.quantile(ratios, np.linspace(0, 1, JITTER_QUANTILES)))
 
