@@ -322,6 +322,21 @@ def test_shipped_calibrations_carry_across_systems_within_the_documented_bands()
         assert (errors >= -0.42).all() and (errors <= -0.15).all()
 
 
+def test_shipped_calibrations_predict_decode_steps_neither_was_fitted_on():
+    """RTP-LLM's EP144 decode on H800 (docs/serving-model.md, sections 2 and "Calibrations"):
+    50.0 ms at 91.7 requests per GPU, 23.8 ms at low concurrency (4 per GPU), KV 5,000."""
+    points = [
+        StepPoint("decode", 91.7, 5000, 91.7, 1 / 20.0, nodes=18, redundant_experts=32),
+        StepPoint("decode", 4.0, 5000, 4.0, 1 / 42.0, nodes=18, redundant_experts=32),
+    ]
+    measured = np.array([p.seconds for p in points])
+    bands = {"deepseek-h800": (0.0, 0.10), "sglang-h100": (0.10, 0.25)}
+    for name, (lo, hi) in bands.items():
+        eff = load_calibration(name).efficiency()
+        error = predict_seconds(points, HARDWARE["h800"], DEEPSEEK_V3, eff) / measured - 1
+        assert ((lo <= error) & (error <= hi)).all(), (name, error)
+
+
 def test_an_unknown_calibration_name_lists_the_shipped_ones():
     with pytest.raises(
         InputError, match=r"no such file; allowed: none, deepseek-h800, sglang-h100"
