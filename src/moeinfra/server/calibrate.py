@@ -427,7 +427,7 @@ def predict_replay(
         done = result.status == COMPLETED
         span = float(np.nanmax(result.finish_s)) if done.any() else float("nan")
         ttft.append(result.ttft_s[done])
-        tpot.append(result.tpot_s[done][np.isfinite(result.tpot_s[done])])
+        tpot.append(result.tpot_s[done & np.isfinite(result.tpot_s)])
         speed.append(float(workload.output_tokens[done].sum()) / span if span > 0 else 0.0)
         completed.append(int(done.sum()))
     return {

@@ -248,12 +248,11 @@ class Calibration:
                     f"{where}: version={data.get('version')!r}, this moeinfra reads {FORMAT_VERSION}"
                 )
             point_keys = StepPoint.__dataclass_fields__
-            given = data["factors"]
-            factors = {
-                k: float(given[k] if k in given or k not in SPLIT_FROM else given[SPLIT_FROM[k]])
-                for k in FACTORS
-                if k not in OPTIONAL
-            }
+            given = dict(data["factors"])
+            for split, before in SPLIT_FROM.items():
+                if split not in given and before in given:
+                    given[split] = given[before]
+            factors = {k: float(given[k]) for k in FACTORS if k not in OPTIONAL}
             factors |= {k: float(given.get(k, 0.0)) for k in sorted(OPTIONAL)}
             factors |= {k: float(given[k]) for k in MEASURED if k in given}
             gemm_table = data.get("gemm_table", "deepgemm-h800")

@@ -15,7 +15,8 @@ Sampling rule (docs/serving-model.md): a sampled request stands for ``scale`` re
 them arrives at the sampled instant; the other ``scale - 1`` arrive at an even rate until the
 ``SPREAD``-th sampled arrival after it, shared by the running units; on each unit they arrive as a
 Poisson process, each a copy of a sample whose spread is running, and are served in the steps as
-real prompts are (an idle unit starts a step when one arrives). At ``scale = 1`` this is exact. The loop is compiled with numba (a day has ~1.5M sampled requests).
+real prompts are (an idle unit starts a step when one arrives). At ``scale = 1`` this is exact.
+The loop is compiled with numba (a day has ~1.5M sampled requests).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def _uniform(seed, u, k):  # pragma: no cover
 @njit(cache=True)
 def _exponential(seed, u, k):  # pragma: no cover
     return -np.log(_uniform(seed, u, k))
+
+
+@njit(cache=True)
+def _quantile_at(p, table):  # pragma: no cover
+    """The value at probability ``p`` of quantiles ``table`` taken at evenly spaced probabilities
+    from 0 to 1 (linear between them)."""
+    x = p * (table.size - 1)
+    i = min(int(x), table.size - 2)
+    return table[i] + (x - i) * (table[i + 1] - table[i])
 
 
 @njit(cache=True)
@@ -219,8 +229,7 @@ def _advance(
         paced = np.interp(busiest, grid_tokens, grid_rank_s)
         step = max(paced + np.interp(mean, grid_tokens, grid_routed_s), work) * slowdown
         if jitter.size:  # this step's time / its modelled time, drawn from the measured spread
-            draw = _uniform(seed ^ 0x2545F491, u, unit_state[u, _STEPS])
-            step *= np.interp(draw, np.linspace(0.0, 1.0, jitter.size), jitter)
+            step *= _quantile_at(_uniform(seed ^ 0x2545F491, u, unit_state[u, _STEPS]), jitter)
         unit_state[u, _STEPS] += 1.0
         end = start + step
         for k in range(first_done, n_done):
