@@ -246,11 +246,14 @@ class _Search:
     max_units: int
     ref_prefill: PerfModel | None
     ref_decode: PerfModel | None
+    ample: dict[str, int]  # per phase: how many units of its reference run beside a probe
 
-    def probe(self, shape: Shape, models, units: int) -> tuple[bool, float | None, float | None]:
+    def probe(
+        self, shape: Shape, models, units: int
+    ) -> tuple[bool, float | None, float | None, int]:
         """Simulate ``units`` units of ``shape`` (the other side, if any, ample): (meets its
         SLOs with every request served, TTFT p95, TPOT p95 — None for a phase the shape does not
-        run, inf when a request was rejected or left unfinished)."""
+        run, inf when a request was rejected or left unfinished —, how many were)."""
         prefill, decode = models
         nodes = shape.nodes
         if shape.phase == "colocated":
@@ -258,21 +261,23 @@ class _Search:
         elif shape.phase == "prefill":
             decode = self.ref_decode
             schedule = constant_schedule(
-                units, self.max_units, self.workload.duration_s, nodes, decode.dep.nodes
+                units, self.ample["decode"], self.workload.duration_s, nodes, decode.dep.nodes
             )
         else:
             prefill = self.ref_prefill
             schedule = constant_schedule(
-                self.max_units, units, self.workload.duration_s, prefill.dep.nodes, nodes
+                self.ample["prefill"], units, self.workload.duration_s, prefill.dep.nodes, nodes
             )
         result = simulate(self.workload, schedule, prefill, decode, self.config)
-        ttft = tpot = None
-        if np.any(result.status != COMPLETED):  # too few units: the latencies say nothing
+        unserved = int(np.count_nonzero(result.status != COMPLETED))
+        if unserved:  # too few units: the latencies say nothing
             return (
                 False,
                 None if shape.phase == "decode" else math.inf,
                 None if shape.phase == "prefill" else math.inf,
+                unserved,
             )
+        ttft = tpot = None
         good = True
         if shape.phase != "decode":
             ttft = _p95(result.ttft_s)
@@ -280,26 +285,31 @@ class _Search:
         if shape.phase != "prefill":
             tpot = _p95(result.tpot_s)
             good &= tpot <= self.slo_tpot_s
-        return good, ttft, tpot
+        return good, ttft, tpot, 0
 
     def fewest_units(self, shape, models, lower: int, guess: int):
         """Bisection between ``lower`` and ``guess`` (doubled until it meets the SLOs): (units,
-        meets, TTFT p95, TPOT p95). Doubling stops early when it no longer shortens the missed
-        latency by 1%: the shape's latency at an almost idle unit is over the SLO, and more units
-        cannot help."""
+        meets, TTFT p95, TPOT p95). Doubling stops early when more units cannot help: they no
+        longer shorten the missed latency by 1% (the shape's latency at an almost idle unit is
+        over the SLO) or, while requests go unserved, no longer serve 1% more of them (e.g. a
+        request whose KV cache outgrows the unit)."""
         lo, hi = lower - 1, max(guess, lower)
-        good, *figures = self.probe(shape, models, hi)
+        good, *figures, unserved = self.probe(shape, models, hi)
         while not good and hi < self.max_units:
             lo, hi = hi, min(hi * 2, self.max_units)
-            before = self.missed(figures)
-            good, *figures = self.probe(shape, models, hi)
-            if not good and math.isfinite(before) and self.missed(figures) > 0.99 * before:
+            before, unserved_before = self.missed(figures), unserved
+            good, *figures, unserved = self.probe(shape, models, hi)
+            if good:
+                break
+            if unserved_before and unserved > 0.99 * unserved_before:
+                break
+            if math.isfinite(before) and self.missed(figures) > 0.99 * before:
                 break
         if not good:
             return hi, False, *figures
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            g, *f = self.probe(shape, models, mid)
+            g, *f, _ = self.probe(shape, models, mid)
             if g:
                 hi, figures = mid, f
             else:
@@ -395,30 +405,40 @@ def plan_capacity(
     if not models:
         raise InputError("no candidate unit fits (slots over GPUs, HBM): " + "; ".join(unfit))
 
+    config = config or SimConfig()
+    config = replace(config, drain_s=max(config.drain_s, DRAIN_S))
+    bounds, guesses = _unit_bounds(workload, models, config.drain_s)
+
     def partner(phase, index):
         """The other side of a disaggregated probe, run ample: the largest unit of that phase
-        (the most KV cache per unit: a sampled request brings ``scale`` requests' KV to one)."""
-        fitting = [(s, m[index]) for s, m in models.items() if s.phase == phase]
+        (the most KV cache per unit: a sampled request brings ``scale`` requests' KV to one),
+        four times as many as carry the busiest 5 minutes at full load (at least twice as many
+        as finish the work in time). Not ``max_units``: every idle unit costs simulation time."""
+        fitting = [s for s in models if s.phase == phase]
         if not fitting:
-            return None
+            return None, 0
 
-        def biggest(sm):
-            shape = sm[0]
+        def biggest(shape):
             return shape.nodes, shape.max_batch_per_gpu is None, shape.micro_batches
 
-        return max(fitting, key=biggest)[1]
+        shape = max(fitting, key=biggest)
+        ample = min(max_units, max(2 * bounds[shape], 4 * guesses[shape]))
+        return models[shape][index], ample
 
-    config = config or SimConfig()
-    search = _Search(
-        workload,
-        replace(config, drain_s=max(config.drain_s, DRAIN_S)),
-        slo_ttft_p95_s,
-        slo_tpot_p95_s,
-        max_units,
+    (ref_prefill, ample_prefill), (ref_decode, ample_decode) = (
         partner("prefill", 0),
         partner("decode", 1),
     )
-    bounds, guesses = _unit_bounds(workload, models, search.config.drain_s)
+    search = _Search(
+        workload,
+        config,
+        slo_ttft_p95_s,
+        slo_tpot_p95_s,
+        max_units,
+        ref_prefill,
+        ref_decode,
+        {"prefill": ample_prefill, "decode": ample_decode},
+    )
     best: dict[str, Option] = {}
     options: list[Option] = []
     # disaggregated sides first: their best fleet prunes aggregated shapes
