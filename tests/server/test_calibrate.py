@@ -159,3 +159,32 @@ def test_steady_load_is_poisson_at_the_rate_with_fresh_prompts():
     assert np.mean(gaps) == pytest.approx(0.2, rel=0.15)
     assert all(64 <= len(r.prompt_ids) < 256 and 16 <= r.max_tokens <= 64 for r in load)
     assert len({tuple(r.prompt_ids[:8]) for r in load}) == len(load)
+
+
+def test_request_overhead_under_load_is_what_the_simulated_first_tokens_lack():
+    from dataclasses import replace
+
+    from moeinfra.server.calibrate import (
+        request_overhead_under_load,
+        simulated_ttft,
+        steady_load,
+    )
+
+    cal = load_calibration("deepseek-h800")
+    load = steady_load(1000, 512, rate=20.0, seed=0, requests=64)
+    bare = simulated_ttft(cal, load, [0] * len(load), 1, 1)
+    live = [
+        bench.BenchResult(r.arrival_s, len(r.prompt_ids), ttft_s=float(np.median(bare)) + d)
+        for r, d in zip(load, np.linspace(0.010, 0.030, len(load)), strict=True)
+    ]
+    overhead = request_overhead_under_load(cal, load, live, 1, 1)
+    assert overhead == pytest.approx(0.020, abs=1e-3)
+    # with it in force, the simulator's median first token is the live median
+    with_it = replace(cal, factors=cal.factors | {"request_overhead_s": overhead})
+    simulated = simulated_ttft(with_it, load, [0] * len(load), 1, 1)
+    assert float(np.median(simulated)) == pytest.approx(
+        np.median([r.ttft_s for r in live]), abs=2e-3
+    )
+    # a server faster than its own steps adds nothing (never a negative overhead)
+    fast = [replace(r, ttft_s=0.5 * float(np.median(bare))) for r in live]
+    assert request_overhead_under_load(cal, load, fast, 1, 1) == 0.0

@@ -122,7 +122,7 @@ def probe_load(
 
 
 def steady_load(
-    vocab: int, max_prompt: int, rate: float, seed: int = 0, requests: int = 48
+    vocab: int, max_prompt: int, rate: float, seed: int = 0, requests: int = 96
 ) -> list[BenchRequest]:
     """Serving traffic: Poisson arrivals at ``rate``/s, prompts of 64 to ``max_prompt / 2``
     tokens never seen before, 16-64 output tokens (prefill and decode steps at the same time)."""
@@ -303,19 +303,19 @@ def calibrate_live(
     # serving traffic: Poisson arrivals at a quarter of the prefill unit's pace
     prefill_steps = _prefill_seconds(asyncio.run(_get_steps(url)))
     rate = 0.25 * len(prefill) / float(np.median(prefill_steps))
-    results, _ = asyncio.run(
-        replay(url, steady_load(PROBE_VOCAB, max_prompt, rate, seed), max_concurrency=in_flight)
-    )
-    failed = [r.error for r in results if r.error]
+    steady = steady_load(PROBE_VOCAB, max_prompt, rate, seed)
+    steady_results, _ = asyncio.run(replay(url, steady, max_concurrency=in_flight))
+    failed = [r.error for r in steady_results if r.error]
     if failed:
         raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
-    seen = _last_steps(asyncio.run(_get_steps(url)))
-    alone = asyncio.run(
-        _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
-    )
+    colocated = any(u["role"] == "colocated" for u in units)
+    if colocated:
+        seen = _last_steps(asyncio.run(_get_steps(url)))
+        alone = asyncio.run(
+            _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
+        )
     info = asyncio.run(_get_steps(url))
     points = step_points(info["units"])
-    alone_steps = _prefill_seconds(info, after=seen)
     ranks_per_unit = ranks.pop()
     hw = measure_host(ranks_per_unit)
     redundant = int(engine.get("redundant_experts") or 0)
@@ -340,11 +340,16 @@ def calibrate_live(
         },
         kv_tokens_per_gpu=float(int(engine["num_kv_blocks"]) * int(engine["block_size"])),
     )
-    return replace(
-        calibration,
-        factors=calibration.factors | {"request_overhead_s": request_overhead(alone, alone_steps)},
-        prefill_step_jitter=jitter_quantiles(prefill_step_spread(info["units"])),
+    calibration = replace(
+        calibration, prefill_step_jitter=jitter_quantiles(prefill_step_spread(info["units"]))
     )
+    if colocated:
+        overhead = request_overhead(alone, _prefill_seconds(info, after=seen))
+    else:
+        overhead = request_overhead_under_load(
+            calibration, steady, steady_results, len(prefill), len(decode)
+        )
+    return replace(calibration, factors=calibration.factors | {"request_overhead_s": overhead})
 
 
 async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[float | None]:
@@ -394,6 +399,61 @@ def request_overhead(ttft_s: list[float], step_s: list[float]) -> float:
     if not ttft_s or not step_s:
         return 0.0
     return max(float(np.median(ttft_s) - np.median(step_s)), 0.0)
+
+
+def request_overhead_under_load(
+    calibration: Calibration,
+    requests: list[BenchRequest],
+    results,
+    prefill_units: int,
+    decode_units: int,
+) -> float:
+    """A request's time outside the engine steps while the server serves traffic: the median
+    time to first token of ``requests`` (sent as a replay, measured as ``results``) less the
+    median the calibrated simulator gives them with no such time (>= 0). Measured under load, not
+    on prompts sent alone: there the API server and the client have the cores to themselves,
+    while under traffic they stream other requests' tokens on the cores the units compute on."""
+    live = [r.ttft_s for r in results if r.ttft_s is not None]
+    if not live:
+        return 0.0
+    bare = replace(calibration, factors=calibration.factors | {"request_overhead_s": 0.0})
+    cached = [r.cached_tokens for r in results]
+    simulated = simulated_ttft(bare, requests, cached, prefill_units, decode_units)
+    return max(float(np.median(live) - np.median(simulated)), 0.0)
+
+
+def simulated_ttft(
+    calibration: Calibration,
+    requests: list[BenchRequest],
+    cached_tokens: list[int],
+    prefill_units: int,
+    decode_units: int,
+    trials: int = 8,
+) -> np.ndarray:
+    """Times to first token of ``requests`` (arrivals and lengths as sent) on ``prefill_units``
+    and ``decode_units`` units under ``calibration``; with a step-time spread, ``trials`` draws
+    pooled."""
+    from moeinfra.serving.scenario import build_scenario
+    from moeinfra.serving.simulate import COMPLETED, SimConfig
+    from moeinfra.serving.workload import Workload
+
+    arrival = np.array([r.arrival_s for r in requests])
+    workload = Workload(
+        arrival_s=arrival - arrival.min(),
+        input_tokens=np.array([len(r.prompt_ids) for r in requests], dtype=np.int64),
+        output_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
+        cached_tokens=np.asarray(cached_tokens, dtype=np.int64),
+        duration_s=float(np.ptp(arrival)) + 1.0,
+        name="requests sent",
+    )
+    scenario = build_scenario(
+        workload=workload, fleet=(prefill_units, decode_units), calibration=calibration
+    )
+    ttft = []
+    for seed in range(trials if calibration.prefill_step_jitter else 1):
+        result = scenario.run(SimConfig(tick_s=0.005, record_every_s=1.0, drain_s=600.0, seed=seed))
+        ttft.append(result.ttft_s[result.status == COMPLETED])
+    return np.concatenate(ttft)
 
 
 def predict_replay(
