@@ -228,8 +228,24 @@ def register(app: typer.Typer) -> None:
         overlap: str = _OVERLAP,
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
+        nproc_per_node: int | None = typer.Option(
+            None,
+            "--nproc-per-node",
+            help="Ranks on this host when the unit spans hosts (default: all --ranks).",
+        ),
+        node_rank: int = typer.Option(
+            0, "--node-rank", help="This host's place: it runs ranks node_rank x nproc-per-node on."
+        ),
+        master_addr: str | None = typer.Option(
+            None, "--master-addr", help="Host of the unit's rank 0 (a unit spanning hosts)."
+        ),
+        master_port: int | None = typer.Option(
+            None, "--master-port", help="Free port on --master-addr where the ranks meet."
+        ),
     ) -> None:
-        """Run one unit of engine ranks that joins a running server (on this or another host)."""
+        """Run one unit of engine ranks that joins a running server (on this or another host;
+        torchrun's --nproc-per-node / --node-rank / --master-addr / --master-port spread one unit
+        over several hosts, each running this command with the same --unit-id)."""
         comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")  # before the heavy imports
         import uuid
 
@@ -243,6 +259,8 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--ranks={ranks} must be >= 1")
         if not server.startswith("tcp://") or ":" not in server[6:]:
             raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
+        here = ranks if nproc_per_node is None else nproc_per_node
+        rendezvous = _rendezvous(ranks, here, node_rank, master_addr, master_port, unit_id)
         model_dir = input_folder(model, "--model") if model is not None else default_model()
         if kv_cache_dir is not None:
             output_folder(kv_cache_dir, "--kv-cache-dir")
@@ -267,6 +285,9 @@ def register(app: typer.Typer) -> None:
             disk_cache_bytes=kv_cache_bytes,
             comm_delay_s=comm_delay_s,
             noop_model=noop_model,
+            first_rank=node_rank * here,
+            local_ranks=here,
+            rendezvous=rendezvous,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
 
@@ -410,3 +431,38 @@ def register(app: typer.Typer) -> None:
         )
         b.plot(results, out / "bench.png", title=f"serve bench ({workload})")
         typer.echo(json.dumps(summary, indent=1))
+
+
+def _rendezvous(
+    ranks: int,
+    here: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int | None,
+    unit_id: str | None,
+) -> str | None:
+    """The unit's process-group address when it spans hosts (None: all its ranks run here)."""
+    from moeinfra.errors import InputError
+
+    if not 1 <= here <= ranks:
+        raise InputError(f"--nproc-per-node={here} must be between 1 and --ranks={ranks}")
+    if here == ranks:
+        if node_rank != 0:
+            raise InputError(
+                f"--node-rank={node_rank}: with every rank on this host it must be 0 "
+                "(give --nproc-per-node to spread the unit over hosts)"
+            )
+        return None
+    if node_rank < 0 or (node_rank + 1) * here > ranks:
+        raise InputError(
+            f"--node-rank={node_rank}: ranks {node_rank * here}-{(node_rank + 1) * here - 1} "
+            f"do not fit in --ranks={ranks} at --nproc-per-node={here}"
+        )
+    if master_addr is None or master_port is None or unit_id is None:
+        raise InputError(
+            f"--nproc-per-node={here} < --ranks={ranks} spreads the unit over hosts: give "
+            "--master-addr, --master-port and the same --unit-id on every host"
+        )
+    if not 0 < master_port < 65536:
+        raise InputError(f"--master-port={master_port} must be between 1 and 65535")
+    return f"tcp://{master_addr}:{master_port}"

@@ -439,7 +439,6 @@ class Router:
             self._send(rank, ("shutdown",))
             unit.alive = False
             return
-        unit.host = info.get("host", "")
         unit.ranks = [r for r in unit.ranks if r.rank != info["rank"]]
         unit.ranks.append(
             RankState(
@@ -453,6 +452,8 @@ class Router:
             )
         )
         unit.ranks.sort(key=lambda r: r.rank)
+        # a unit's ranks may span hosts (serve unit --node-rank): name each host once
+        unit.host = ",".join(dict.fromkeys(r.info.get("host", "") for r in unit.ranks))
         unit.last_seen = time.monotonic()
         if unit.ready:
             self.notes.append(f"unit {unit.unit_id} ({unit.role}) up on {unit.host}")

@@ -45,6 +45,11 @@ class UnitSpec:
     comm_delay_s: float = 0.0
     collective_timeout_s: float = 120.0
     noop_model: bool = False
+    # a unit spanning hosts: this host runs ranks first_rank .. first_rank + local_ranks - 1 and
+    # all hosts meet at rendezvous (tcp://HOST:PORT on the host of rank 0); None: all ranks here
+    first_rank: int = 0
+    local_ranks: int | None = None
+    rendezvous: str | None = None
 
 
 def config_digest(model_dir: str | Path) -> str:
@@ -432,11 +437,9 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
         return 0
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
-        ctx.Process(target=rank_main, args=(spec, r, init, errors), daemon=True)
-        for r in range(spec.ranks)
-    ]
+    init = spec.rendezvous or f"tcp://127.0.0.1:{free_port()}"
+    here = range(spec.first_rank, spec.first_rank + (spec.local_ranks or spec.ranks))
+    procs = [ctx.Process(target=rank_main, args=(spec, r, init, errors), daemon=True) for r in here]
     for p in procs:
         p.start()
     orphaned = []

@@ -1,0 +1,67 @@
+"""A unit whose ranks span hosts (``serve unit --nproc-per-node/--node-rank/--master-addr``), run
+here as two processes that meet only at the unit's rendezvous address, as two hosts would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+from tests.server.conftest import ServerProcess, wait_until
+
+from moeinfra.engine import LLM, SamplingParams
+from moeinfra.moe.launch import free_port
+
+
+def _unit(control: str, model, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "moeinfra.cli", "serve", "unit", "--server", control,
+           "--model", str(model), "--block-size", "16", "--num-kv-blocks", "256", *args]  # fmt: skip
+    return subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+
+
+def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(tiny_bpe):
+    control = f"tcp://127.0.0.1:{free_port()}"
+    srv = ServerProcess(["--model", str(tiny_bpe), "--control", control,
+                         "--prefill-units", "0", "--decode-units", "0"])  # fmt: skip
+    meet = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    span = ["--role", "decode", "--ranks", "2", "--nproc-per-node", "1", "--unit-id", "decode-x"]
+    units = [
+        _unit(control, tiny_bpe, "--role", "prefill", "--ranks", "1"),
+        _unit(control, tiny_bpe, *span, "--node-rank", "0", *meet),
+        _unit(control, tiny_bpe, *span, "--node-rank", "1", *meet),
+    ]
+    try:
+
+        def ready() -> bool:
+            health = httpx.get(f"{srv.url}/health").json()["units"]
+            return len(health) == 2 and all(u["ready"] for u in health.values())
+
+        wait_until(ready, timeout_s=120)
+        unit = httpx.get(f"{srv.url}/health").json()["units"]["decode-x"]
+        assert unit["role"] == "decode" and len(unit["pids"]) == 2  # a rank from each "host"
+        prompts = ["hello world", "KV cache", "The decode unit", "Prefill and decode"]
+        with LLM(tiny_bpe, block_size=16, num_kv_blocks=256) as llm:
+            expected = [
+                r.outputs[0].text
+                for r in llm.generate(
+                    prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+                )
+            ]
+        body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        answers = [
+            httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
+            for p in prompts
+        ]
+        assert [a.json()["choices"][0]["text"] for a in answers] == expected
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)
+        for unit in units:  # the server's drain tells every unit to stop, joined ones too
+            try:
+                code = unit.wait(60)
+            except subprocess.TimeoutExpired:
+                unit.kill()
+                code = unit.wait()
+            assert code == 0, unit.stderr.read()
