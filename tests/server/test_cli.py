@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+DECODE_UNIT = ["serve", "unit", "--server", "tcp://h:1", "--role", "decode"]
+SPANNING = ["--ranks", "4", "--nproc-per-node", "2"]  # a unit over two hosts
+
 
 @pytest.mark.parametrize(
     ("args", "names"),
@@ -19,48 +22,10 @@ import pytest
         ),
         (["serve", "unit", "--server", "bogus", "--role", "decode"], "--server='bogus'"),
         (["serve", "unit", "--server", "tcp://h:1", "--role", "judge"], "--role='judge'"),
-        (
-            ["serve", "unit", "--server", "tcp://h:1", "--role", "decode", "--nproc-per-node", "3"],
-            "--nproc-per-node=3",
-        ),
-        (
-            ["serve", "unit", "--server", "tcp://h:1", "--role", "decode", "--node-rank", "1"],
-            "--node-rank=1",
-        ),
-        (
-            [
-                "serve",
-                "unit",
-                "--server",
-                "tcp://h:1",
-                "--role",
-                "decode",
-                "--ranks",
-                "4",
-                "--nproc-per-node",
-                "2",
-                "--node-rank",
-                "2",
-            ],
-            "--node-rank=2",
-        ),  # fmt: skip
-        (
-            [
-                "serve",
-                "unit",
-                "--server",
-                "tcp://h:1",
-                "--role",
-                "decode",
-                "--ranks",
-                "4",
-                "--nproc-per-node",
-                "2",
-                "--node-rank",
-                "1",
-            ],
-            "--master-addr",
-        ),  # fmt: skip
+        ([*DECODE_UNIT, "--nproc-per-node", "3"], "--nproc-per-node=3"),
+        ([*DECODE_UNIT, "--node-rank", "1"], "--node-rank=1"),
+        ([*DECODE_UNIT, *SPANNING, "--node-rank", "2"], "--node-rank=2"),
+        ([*DECODE_UNIT, *SPANNING, "--node-rank", "1"], "--master-addr"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
         (["serve", "up", "--unit-timeout", "500ms"], "--unit-timeout=0.5"),

@@ -433,8 +433,7 @@ def simulated_ttft(
     """Times to first token of ``requests`` (arrivals and lengths as sent) on ``prefill_units``
     and ``decode_units`` units under ``calibration``; with a step-time spread, ``trials`` draws
     pooled."""
-    from moeinfra.serving.scenario import build_scenario
-    from moeinfra.serving.simulate import COMPLETED, SimConfig
+    from moeinfra.serving.simulate import COMPLETED
     from moeinfra.serving.workload import Workload
 
     arrival = np.array([r.arrival_s for r in requests])
@@ -446,14 +445,23 @@ def simulated_ttft(
         duration_s=float(np.ptp(arrival)) + 1.0,
         name="requests sent",
     )
+    runs = _simulated_replays(workload, calibration, prefill_units, decode_units, 0.005, trials)
+    return np.concatenate([r.ttft_s[r.status == COMPLETED] for r in runs])
+
+
+def _simulated_replays(workload, calibration, prefill_units, decode_units, tick_s, trials):
+    """Runs of ``workload`` on a fixed fleet under ``calibration``, drained: one, or with a
+    step-time spread in force, ``trials`` with different draws."""
+    from moeinfra.serving.scenario import build_scenario
+    from moeinfra.serving.simulate import SimConfig
+
     scenario = build_scenario(
         workload=workload, fleet=(prefill_units, decode_units), calibration=calibration
     )
-    ttft = []
-    for seed in range(trials if calibration.prefill_step_jitter else 1):
-        result = scenario.run(SimConfig(tick_s=0.005, record_every_s=1.0, drain_s=600.0, seed=seed))
-        ttft.append(result.ttft_s[result.status == COMPLETED])
-    return np.concatenate(ttft)
+    return [
+        scenario.run(SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0, seed=seed))
+        for seed in range(trials if calibration.prefill_step_jitter else 1)
+    ]
 
 
 def predict_replay(
@@ -472,18 +480,14 @@ def predict_replay(
     ``trials`` simulations with different draws are pooled (latencies) and averaged (throughput):
     the prediction is the expected replay, not one draw of it."""
     from moeinfra.server.bench import percentiles
-    from moeinfra.serving.scenario import build_scenario
-    from moeinfra.serving.simulate import COMPLETED, SimConfig
+    from moeinfra.serving.simulate import COMPLETED
     from moeinfra.serving.workload import read_trace
 
     workload, _ = read_trace(trace, hash_block_tokens=block_tokens)
-    scenario = build_scenario(
-        workload=workload, fleet=(prefill_units, decode_units), calibration=calibration
-    )
     ttft, tpot, speed, completed = [], [], [], []
-    for seed in range(trials if calibration.prefill_step_jitter else 1):
-        cfg = SimConfig(tick_s=tick_s, record_every_s=1.0, drain_s=600.0, seed=seed)
-        result = scenario.run(cfg)
+    for result in _simulated_replays(
+        workload, calibration, prefill_units, decode_units, tick_s, trials
+    ):
         done = result.status == COMPLETED
         span = float(np.nanmax(result.finish_s)) if done.any() else float("nan")
         ttft.append(result.ttft_s[done])
