@@ -143,6 +143,49 @@ def test_measurements_file(tmp_path):
     assert cal.fitted == ("gemm_time", "step_overhead_s")
 
 
+def test_a_low_latency_wait_is_added_to_each_call_and_fitted_only_when_named(tmp_path):
+    """`ll_wait_s`: seconds every decode dispatch and combine call waits whatever its tokens; a
+    measurements file frees it by naming it (not by default), and `fixed` sets a factor measured
+    elsewhere."""
+    from dataclasses import asdict
+
+    from moeinfra.serving.perfmodel import PerfModel
+    from moeinfra.serving.specs import Deployment
+
+    unit = Deployment("decode", 18)
+    plain = PerfModel(unit, H800)
+    waited = PerfModel(unit, H800, DEEPSEEK_V3, replace(DEFAULT_EFFICIENCY, ll_wait_s=50e-6))
+    for tokens in (1.0, 64.0):
+        extra = np.subtract(waited.all_to_all_s(tokens), plain.all_to_all_s(tokens))
+        np.testing.assert_allclose(extra, [50e-6, 50e-6])
+    truth = {"comm_time": 1.1, "ll_wait_s": 40e-6, "step_overhead_s": 5e-3}
+    shape = [
+        StepPoint("decode", b, 5000, b, 1.0, nodes=18, redundant_experts=32)
+        for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+    ]
+    seconds = predict_seconds(shape, H800, DEEPSEEK_V3, efficiency_with(truth))
+    measured = [replace(p, seconds=float(s)) for p, s in zip(shape, seconds, strict=True)]
+    cal = fit_calibration(
+        "t", "s", measured, H800, DEEPSEEK_V3, free=tuple(truth), hold_out_every=0
+    )
+    for name, value in truth.items():
+        assert cal.factors[name] == pytest.approx(value, rel=0.05), name
+    assert "ll_wait_s" not in fit_calibration("t", "s", measured, H800, DEEPSEEK_V3).fitted
+    path = tmp_path / "m.json"
+    data = {"source": "s", "points": [asdict(p) for p in measured], "free": ["comm_time"]}
+    path.write_text(json.dumps(data | {"fixed": {"ll_wait_s": 40e-6, "step_overhead_s": 5e-3}}))
+    fixed = fit_measurements(path)
+    assert fixed.fitted == ("comm_time",) and fixed.factors["ll_wait_s"] == 40e-6
+    assert fixed.factors["comm_time"] == pytest.approx(1.1, rel=0.02)
+    for bad in ({"comm_time": 1.2}, {"ll_wait_s": -1.0}, {"speed": 1.0}):
+        path.write_text(json.dumps(data | {"fixed": bad}))
+        with pytest.raises(InputError, match=r"fixed\[.*must be a factor"):
+            fit_measurements(path)
+    path.write_text(json.dumps(data | {"fixed": {"ll_wait_s": "a lot"}}))
+    with pytest.raises(InputError, match="'fixed' must map factor names to numbers"):
+        fit_measurements(path)
+
+
 def test_bad_input_is_named():
     with pytest.raises(InputError, match="measure more"):
         fit_calibration("t", "s", measured_points()[:3], H800, DEEPSEEK_V3)
@@ -289,7 +332,7 @@ def test_the_prompt_overhead_is_fitted_from_steps_finishing_several_prompts():
     assert "prompt_overhead_s" not in plain.fitted and plain.factors["prompt_overhead_s"] == 0
 
 
-@pytest.mark.parametrize("name", ["deepseek-h800", "sglang-h100"])
+@pytest.mark.parametrize("name", ["deepseek-h800", "sglang-h100", "rtp-llm-h800"])
 def test_a_shipped_calibration_is_its_measurements_fitted(name):
     """Each shipped calibration is `serve calibrate --measurements` on the published figures that
     ship beside it (their source named in both), and fits every one of them within 10%."""
@@ -298,8 +341,9 @@ def test_a_shipped_calibration_is_its_measurements_fitted(name):
     shipped = load_calibration(name)
     refit = fit_measurements(builtin_file(name, "measurements"))
     assert shipped.name == refit.name == name
-    assert shipped.source == refit.source and "lmsys.org" in shipped.source
-    assert shipped.hardware.name == name.split("-")[1]
+    assert shipped.source == refit.source
+    assert ("lmsys.org" in shipped.source) != ("alibaba/rtp-llm" in shipped.source)
+    assert shipped.hardware.name == name.rsplit("-", 1)[1]
     assert shipped.factors == pytest.approx(refit.factors, rel=1e-6)
     measured = np.array([p.seconds for p in shipped.fit_points])
     assert np.abs(shipped.predict(shipped.fit_points) / measured - 1).max() < 0.10
@@ -322,23 +366,32 @@ def test_shipped_calibrations_carry_across_systems_within_the_documented_bands()
         assert (errors >= -0.42).all() and (errors <= -0.15).all()
 
 
-def test_shipped_calibrations_predict_decode_steps_neither_was_fitted_on():
-    """RTP-LLM's EP144 decode on H800 (docs/serving-model.md, sections 2 and "Calibrations"):
-    50.0 ms at 91.7 requests per GPU, 23.8 ms at low concurrency (4 per GPU), KV 5,000."""
-    points = [
-        StepPoint("decode", 91.7, 5000, 91.7, 1 / 20.0, nodes=18, redundant_experts=32),
-        StepPoint("decode", 4.0, 5000, 4.0, 1 / 42.0, nodes=18, redundant_experts=32),
-    ]
+def test_shipped_calibrations_against_rtp_llm_ep144_decode_curve():
+    """RTP-LLM's replay of DeepSeek's decode (EP144, H800, 4K in / 2K out): 14 points of per-user
+    speed from 1 to 92.5 requests per GPU (docs/serving-model.md, "Calibrations"). Neither
+    deepseek-h800 nor sglang-h100 was fitted on them: DeepSeek's within -5.8% / +7.0%, SGLang's
+    +3% to +21%, the first-principles model 9-20% fast. rtp-llm-h800 is fitted on them (every
+    third held out) and predicts DeepSeek's own decode profile 5% fast."""
+    rtp = load_calibration("rtp-llm-h800")
+    points = (*rtp.fit_points, *rtp.validation_points)
+    assert len(points) == 14 and {p.nodes for p in points} == {18}
     measured = np.array([p.seconds for p in points])
-    bands = {"deepseek-h800": (0.0, 0.10), "sglang-h100": (0.10, 0.25)}
+    bands = {"none": (-0.21, -0.08), "deepseek-h800": (-0.07, 0.08), "sglang-h100": (0.02, 0.23)}
     for name, (lo, hi) in bands.items():
-        eff = load_calibration(name).efficiency()
+        cal = load_calibration(name)
+        eff = DEFAULT_EFFICIENCY if cal is None else cal.efficiency()
         error = predict_seconds(points, HARDWARE["h800"], DEEPSEEK_V3, eff) / measured - 1
-        assert ((lo <= error) & (error <= hi)).all(), (name, error)
+        assert lo <= error.min() and error.max() <= hi, (name, error)
+    assert rtp.errors()["validation"]["max_abs"] < 0.03
+    decode_profile = [
+        p for p in load_calibration("deepseek-h800").fit_points if p.phase == "decode"
+    ]
+    error = predict_seconds(decode_profile, rtp.hardware, rtp.model, rtp.efficiency())
+    assert -0.08 <= error[0] / decode_profile[0].seconds - 1 <= -0.02
 
 
 def test_an_unknown_calibration_name_lists_the_shipped_ones():
     with pytest.raises(
-        InputError, match=r"no such file; allowed: none, deepseek-h800, sglang-h100"
+        InputError, match=r"no such file; allowed: none, deepseek-h800, sglang-h100, rtp-llm-h800"
     ):
         load_calibration("deepseek-h900")

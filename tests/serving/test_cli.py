@@ -294,7 +294,7 @@ def test_model_with_a_shipped_calibration_names_it_and_its_source():
     assert "lmsys.org" in doc["calibration"]["source"]
     missing = cli("model", "--calibration", "sglang-h200")
     assert missing.returncode == 2
-    assert "allowed: none, deepseek-h800, sglang-h100 or a file" in missing.stderr
+    assert "allowed: none, deepseek-h800, sglang-h100, rtp-llm-h800 or a file" in missing.stderr
 
 
 def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():

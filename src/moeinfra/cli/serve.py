@@ -75,8 +75,9 @@ def parse_unit(text: str, name: str, phase: str):
 
 
 CALIBRATION_HELP = (
-    "none (the first-principles model), deepseek-h800 or sglang-h100 (shipped: fitted on DeepSeek's "
-    "H800 profiles / SGLang's H100 figures) or a calibration file written by moeinfra serve "
+    "none (the first-principles model), deepseek-h800, sglang-h100 or rtp-llm-h800 (shipped: "
+    "fitted on DeepSeek's H800 profiles / SGLang's H100 figures / RTP-LLM's H800 EP144 decode "
+    "curve) or a calibration file written by moeinfra serve "
     "calibrate: its hardware, model, unit shapes and fitted factors are used."
 )
 

@@ -37,11 +37,16 @@ INTERRUPT = "decode_interrupt_s"
 FACTORS = (
     *MULTIPLIERS,
     "comm_launch_s",
+    "ll_wait_s",
     "step_overhead_s",
     "prompt_overhead_s",
     *CONTENTION.values(),
     INTERRUPT,
 )
+#: Fitted when a measurements file or caller names no factors: all but the per-call low-latency
+#: wait, which a fit tells apart from the all-to-all multiplier only across unit shapes and batches
+#: that few measurement sets have (a measurements file frees it by naming it).
+DEFAULT_FREE = tuple(f for f in FACTORS if f != "ll_wait_s")
 #: Measured directly rather than fitted: a live server's time outside its units per request.
 MEASURED = ("request_overhead_s",)
 BOUNDS = {
@@ -50,6 +55,7 @@ BOUNDS = {
     "decode_attention_time": (1e-3, 1e5),
     "comm_time": (1e-3, 1e5),
     "comm_launch_s": (0.0, 1.0),
+    "ll_wait_s": (0.0, 1.0),
     "step_overhead_s": (0.0, 10.0),
     "prompt_overhead_s": (0.0, 1.0),
     "prefill_contention": (0.0, 4.0),
@@ -58,7 +64,7 @@ BOUNDS = {
 }
 #: Optional in a file (0 when absent: files written before these factors existed; for host
 #: sharing, calibrations of units with their own GPUs).
-OPTIONAL = frozenset({*CONTENTION.values(), INTERRUPT, "prompt_overhead_s"})
+OPTIONAL = frozenset({*CONTENTION.values(), INTERRUPT, "prompt_overhead_s", "ll_wait_s"})
 #: Split from ``attention_time`` later: a file without it had one factor for both phases.
 SPLIT_FROM = {"decode_attention_time": "attention_time"}
 #: ``gemm_table``: DeepGEMM's published H800 throughput by rows (GPUs), or one figure at every row
@@ -286,7 +292,7 @@ class Calibration:
 #: Calibrations shipped with moeinfra: ``data/calibrations/<name>.json``, fitted by ``moeinfra serve
 #: calibrate --measurements`` on the published figures in ``data/measurements/<name>.json`` (each
 #: names its source).
-BUILTIN = ("deepseek-h800", "sglang-h100")
+BUILTIN = ("deepseek-h800", "sglang-h100", "rtp-llm-h800")
 
 
 #: Quantiles a calibration keeps of its step-time spread (percentiles: the slowest step measured
@@ -408,22 +414,32 @@ def fit_calibration(
     hw: HardwareSpec,
     model: ModelSpec,
     *,
-    free: tuple[str, ...] = FACTORS,
+    free: tuple[str, ...] = DEFAULT_FREE,
     hold_out_every: int = 3,
     gemm_table: str = "deepgemm-h800",
     units: dict[str, Deployment] | None = None,
     kv_tokens_per_gpu: float | None = None,
+    fixed: dict[str, float] | None = None,
 ) -> Calibration:
     """Fit ``free`` factors to ``points`` (every ``hold_out_every``-th point, ordered by phase and
     size, is held out for validation; 0 holds none out); the others keep their defaults.
     A phase's contention factor is fitted only when some of its points are contended, the decode
     interrupt only when some decode points were interrupted, the prompt overhead only when the
-    prefill points' prompts per token vary by 1.5x or more (else 0)."""
+    prefill points' prompts per token vary by 1.5x or more (else 0). ``fixed``: factors set to
+    given values (measured elsewhere) instead of their defaults; not fitted."""
     from scipy.optimize import least_squares
 
     unknown = [f for f in free if f not in FACTORS]
     if unknown or not free:
         raise InputError(f"free={free!r} must be a non-empty subset of {FACTORS}")
+    fixed = dict(fixed or {})
+    for f, v in fixed.items():
+        lo_, hi_ = BOUNDS.get(f, (None, None))
+        if f in free or lo_ is None or not (math.isfinite(v) and lo_ <= v <= hi_):
+            raise InputError(
+                f"fixed[{f!r}]={v!r} must be a factor of {FACTORS} that is not free, "
+                f"within its bounds"
+            )
     for phase, factor in CONTENTION.items():
         if not any(p.contended > 0 for p in points if p.phase == phase):
             free = tuple(f for f in free if f != factor)
@@ -451,7 +467,7 @@ def fit_calibration(
     steps = np.array([p.steps for p in fit], dtype=np.float64)
     phase_steps = {ph: sum(p.steps for p in fit if p.phase == ph) for ph in ("prefill", "decode")}
     weight = np.sqrt(steps / np.array([phase_steps[p.phase] for p in fit]))
-    base = {k: getattr(DEFAULT_EFFICIENCY, k) for k in FACTORS}
+    base = {k: getattr(DEFAULT_EFFICIENCY, k) for k in FACTORS} | fixed
     logged = [f in MULTIPLIERS for f in free]
 
     def factors_of(x) -> dict[str, float]:
@@ -554,6 +570,15 @@ def fit_measurements(path: Path, name: str | None = None) -> Calibration:
         points,
         hardware(str(data.get("hardware", "h800"))),
         DEEPSEEK_V3 if model is None else model_spec(model, str(model.get("name", "model"))),
-        free=tuple(data.get("free", FACTORS)),
+        free=tuple(data.get("free", DEFAULT_FREE)),
         hold_out_every=int(data.get("hold_out_every", 3)),
+        fixed=_fixed_factors(data.get("fixed", {}), where),
     )
+
+
+def _fixed_factors(given, where: str) -> dict[str, float]:
+    if not isinstance(given, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in given.values()
+    ):
+        raise InputError(f"{where}: 'fixed' must map factor names to numbers, got {given!r}")
+    return {str(k): float(v) for k, v in given.items()}

@@ -97,6 +97,9 @@ class Efficiency:
         DeepEP's low-latency kernels measured at 16 and 128 tokens per GPU on 8 H100 nodes by
         NVIDIA's AIConfigurator (:func:`moeinfra.serving.deepep.ll_fixed_share`).
     comm_launch_s: fixed cost of one normal-kernel all-to-all call (kernel launch + RDMA round trip).
+    ll_wait_s: seconds added to every low-latency dispatch and combine call, whatever its tokens:
+        in a running system the ranks of an all-to-all wait for each other (0 in the
+        first-principles model; fitted by a calibration).
     step_overhead_s: per forward step, host-side scheduling plus kernel-launch gaps: ~1.5 ms + ~2 ms
         measured by Alibaba's RTP-LLM on H800 in DeepSeek's EP144 decode configuration.
     memory_usable: share of HBM usable for weights + KV cache (the rest: activations, buffers).
@@ -150,6 +153,7 @@ class Efficiency:
     )
     ll_fixed_share: tuple[float, float] = field(default_factory=deepep.ll_fixed_share)
     comm_launch_s: float = 10e-6
+    ll_wait_s: float = 0.0
     step_overhead_s: float = 3.5e-3
     memory_usable: float = 0.9
     gemm_time: float = 1.0
@@ -182,6 +186,7 @@ TIME_TERMS = (
     "decode_attention_time",
     "comm_time",
     "comm_launch_s",
+    "ll_wait_s",
     "step_overhead_s",
     "prompt_overhead_s",
     "decode_interrupt_s",
@@ -476,8 +481,10 @@ class PerfModel:
     def _a2a_low_latency(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP low-latency kernels."""
         scale = tokens * self.balance.imbalance / 128.0
-        fixed, f = self.eff.ll_fixed_share, self.eff.comm_time
-        return tuple(f * self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) for i in (0, 1))
+        fixed, f, wait = self.eff.ll_fixed_share, self.eff.comm_time, self.eff.ll_wait_s
+        return tuple(
+            f * self._ll_128[i] * (fixed[i] + (1.0 - fixed[i]) * scale) + wait for i in (0, 1)
+        )
 
     def all_to_all_s(self, tokens_per_gpu: float) -> tuple[float, float]:
         """(dispatch, combine) seconds of one all-to-all call of ``tokens_per_gpu`` tokens per GPU:
