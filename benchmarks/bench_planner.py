@@ -3,7 +3,7 @@
 Each run is a fresh process of the console command (``--json`` to a pipe): the first ``--hours``
 of DeepSeek's generated day, TTFT p95 <= 2 s, TPOT p95 <= 50 ms, H800, one simulated request per
 100 real, every default shape (disaggregated and aggregated) — first principles, the
-``deepseek-h800`` calibration, and that calibration with MTP at 0.85 acceptance. Prints a Markdown
+``deepseek-h800`` calibration, that calibration with MTP at 0.85 acceptance, and ``rtp-llm-h800``. Prints a Markdown
 table: the chosen prefill and decode units, the best aggregated fleet, shapes simulated and pruned,
 wall time and peak resident memory.
 
@@ -23,6 +23,7 @@ VARIANTS = {
     "first principles": [],
     "deepseek-h800": ["--calibration", "deepseek-h800"],
     "deepseek-h800, MTP 0.85": ["--calibration", "deepseek-h800", "--mtp", "0.85"],
+    "rtp-llm-h800": ["--calibration", "rtp-llm-h800"],
 }
 
 
