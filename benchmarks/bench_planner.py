@@ -3,9 +3,9 @@
 Each run is a fresh process of the console command (``--json`` to a pipe): the first ``--hours``
 of DeepSeek's generated day, TTFT p95 <= 2 s, TPOT p95 <= 50 ms, H800, one simulated request per
 100 real, every default shape (disaggregated and aggregated) — first principles, the
-``deepseek-h800`` calibration, that calibration with MTP at 0.85 acceptance, and ``rtp-llm-h800``. Prints a Markdown
-table: the chosen prefill and decode units, the best aggregated fleet, shapes simulated and pruned,
-wall time and peak resident memory.
+``deepseek-h800`` calibration, that calibration with MTP at 0.85 acceptance, and ``rtp-llm-h800``.
+Prints a Markdown table: the chosen prefill and decode units, the best aggregated fleet, shapes
+simulated and pruned, wall time and peak resident memory.
 
 Run: ``.venv/bin/python -m benchmarks.bench_planner [--hours 4]`` (about 3 minutes per row).
 """

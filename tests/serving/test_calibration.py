@@ -386,8 +386,8 @@ def test_shipped_calibrations_against_rtp_llm_ep144_decode_curve():
     decode_profile = [
         p for p in load_calibration("deepseek-h800").fit_points if p.phase == "decode"
     ]
-    error = predict_seconds(decode_profile, rtp.hardware, rtp.model, rtp.efficiency())
-    assert -0.08 <= error[0] / decode_profile[0].seconds - 1 <= -0.02
+    predicted = predict_seconds(decode_profile, rtp.hardware, rtp.model, rtp.efficiency())
+    assert -0.08 <= predicted[0] / decode_profile[0].seconds - 1 <= -0.02
 
 
 def test_an_unknown_calibration_name_lists_the_shipped_ones():
