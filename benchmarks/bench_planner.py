@@ -7,7 +7,8 @@ of DeepSeek's generated day, TTFT p95 <= 2 s, TPOT p95 <= 50 ms, H800, one simul
 Prints a Markdown table: the chosen prefill and decode units, the best aggregated fleet, shapes
 simulated and pruned, wall time and peak resident memory.
 
-Run: ``.venv/bin/python -m benchmarks.bench_planner [--hours 4]`` (about 3 minutes per row).
+Run: ``.venv/bin/python -m benchmarks.bench_planner [--hours 4] [--variant NAME ...]`` (8 to 30
+minutes per row at 4 hours on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ def units(option: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hours", type=float, default=4.0)
+    parser.add_argument(
+        "--variant", action="append", choices=list(VARIANTS), help="rows to run (default: all)"
+    )
     args = parser.parse_args(argv)
     print(
         "| model | prefill | decode | fleet (nodes) | best aggregated (nodes) | shapes simulated / "
         "pruned / unfit | wall (s) | peak RSS (MB) |"
     )
     print("|---|---|---|---:|---:|---|---:|---:|")
-    for name, extra in VARIANTS.items():
+    for name in args.variant or VARIANTS:
+        extra = VARIANTS[name]
         wall, rss, plan = run_once(["--hours", f"{args.hours:g}", "--scale", "100", *extra])
         searched = sum(o["searched"] for o in plan["options"])
         colocated = plan["colocated"]

@@ -18,6 +18,7 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from moeinfra.errors import InputError
 
@@ -303,16 +304,26 @@ def fill_least_loaded(levels: np.ndarray, costs: np.ndarray) -> np.ndarray:
         raise InputError("fill_least_loaded needs at least one open bin")
     if costs.size == 0:
         return np.zeros(0, dtype=np.int64)
-    order = open_bins[np.argsort(levels[open_bins], kind="stable")]
+    return water_fill(levels, costs)
+
+
+@njit(cache=True)
+def water_fill(levels, costs):  # pragma: no cover
+    """:func:`fill_least_loaded` compiled, its checks left to the caller (the simulator calls it
+    from compiled code)."""
+    open_bins = np.flatnonzero(np.isfinite(levels))
+    order = open_bins[np.argsort(levels[open_bins], kind="mergesort")]
     sorted_levels = levels[order]
     total = costs.sum()
-    # level L with sum(max(0, L - b)) = total: try k lowest bins
-    k = np.arange(1, order.size + 1)
+    # level L with sum(max(0, L - b)) = total: the fewest lowest bins it covers
     prefix = np.cumsum(sorted_levels)
-    fill_level = (total + prefix) / k
-    next_level = np.append(sorted_levels[1:], np.inf)
-    j = int(np.argmax(fill_level <= next_level))
-    level = fill_level[j]
+    j = 0
+    for k in range(order.size):
+        following = sorted_levels[k + 1] if k + 1 < order.size else np.inf
+        if (total + prefix[k]) / (k + 1) <= following:
+            j = k
+            break
+    level = (total + prefix[j]) / (j + 1)
     room = np.maximum(level - sorted_levels[: j + 1], 0.0)
     if room.sum() <= 0:
         return np.full(costs.size, order[0], dtype=np.int64)

@@ -22,6 +22,7 @@ import numpy as np
 from moeinfra.errors import InputError
 from moeinfra.serving.balancers import fill_least_loaded
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
+from moeinfra.serving.decode_batch import admit_ready, advance_batch, batch_load
 from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.schedule import FleetSchedule
 from moeinfra.serving.unit_cost import BALANCERS, prefill_cost
@@ -337,51 +338,11 @@ def simulate(
             decoding = np.bincount(a_unit, minlength=d_max)[:d_max] > 0
         # ---- decode admission ----
         if pend.size:
-            ready = ready_s(pend)
-            cand = pend[ready < t1]
-            if cand.size:
-                cand_ready = ready[ready < t1]
-                order = np.argsort(cand_ready, kind="stable")
-                cand, cand_ready = cand[order], cand_ready[order]
-                kv_now = np.bincount(a_unit, inputs[a_idx] + a_done, d_max) * S
-                levels = np.full(d_max, np.inf)
-                levels[:d_units] = kv_now[:d_units]
-                need = (inputs[cand] + outputs[cand] / 2) * S
-                if colocated:
-                    unit = home[cand].astype(np.int64)
-                    gone = unit >= d_units  # its unit stopped since: the least loaded takes it
-                    unit[gone] = fill_least_loaded(levels, need[gone])
-                else:
-                    unit = fill_least_loaded(levels, need)
-                # admit in order while the unit's KV (with the newcomers) fits
-                order = np.argsort(unit, kind="stable")
-                sorted_need = need[order]
-                cum = np.cumsum(sorted_need)
-                change = np.empty(order.size, dtype=bool)
-                change[0] = True
-                np.not_equal(unit[order][1:], unit[order][:-1], out=change[1:])
-                seg_id = np.cumsum(change) - 1
-                starts = np.flatnonzero(change)
-                within = cum - (cum - sorted_need)[starts][seg_id]
-                fits_sorted = kv_now[unit[order]] + within <= kv_cap_unit
-                if limit is not None:
-                    running = np.bincount(a_unit, minlength=d_max)[:d_max] * S
-                    place = np.arange(order.size) - starts[seg_id] + 1  # newcomers so far
-                    fits_sorted &= running[unit[order]] + place * S <= batch_cap_unit
-                fits = np.empty(cand.size, dtype=bool)
-                fits[order] = fits_sorted
-                admit = cand[fits]
-                a_idx = np.concatenate([a_idx, admit])
-                a_unit = np.concatenate([a_unit, unit[fits]])
-                a_done = np.concatenate([a_done, np.ones(admit.size)])
-                a_from = np.concatenate([a_from, np.maximum(cand_ready[fits], t0)])
-                waiting = cand[~fits]
-                late = waiting[t1 - cand_ready[~fits] > cfg.max_decode_wait_s]
-                status[late] = REJECTED
-                reason[late] = 1
-                gone = ready < t1
-                gone[gone] = ~np.isin(pend[gone], waiting[~np.isin(waiting, late)])
-                pend = pend[~gone]
+            a_idx, a_unit, a_done, a_from, pend = admit_ready(
+                pend, ready_s(pend), t0, t1, a_idx, a_unit, a_done, a_from, inputs, outputs,
+                home, d_units, d_max, S, kv_cap_unit, batch_cap_unit, cfg.max_decode_wait_s,
+                status, reason, REJECTED,
+            )  # fmt: skip
         # ---- decode step ----
         r = tick // rec_every
         if interrupt_s:
@@ -389,13 +350,10 @@ def simulate(
             edges_now = int(reached.sum())
             prefill_edges = prefill_edges[~reached]
         if a_idx.size:
-            run_s = t1 - a_from
-            remaining = outputs[a_idx] - a_done
-            # a request is in its unit's batch for the part of the tick before it finishes
-            # (estimated with the unit's previous step time), not for the whole tick
-            occupancy = np.minimum(run_s, remaining / per_step * last_step[a_unit]) / cfg.tick_s
-            count = np.bincount(a_unit, occupancy, d_max)
-            kv_tokens = np.bincount(a_unit, occupancy * (inputs[a_idx] + a_done), d_max)
+            run_s, remaining, count, kv_tokens = batch_load(
+                a_idx, a_unit, a_done, a_from, inputs, outputs, last_step, t1, cfg.tick_s,
+                per_step, d_max,
+            )  # fmt: skip
             active = count > 0
             batch = np.where(active, count * S / decode.gpus, 0.0)
             # whole requests: the fullest DP rank holds at least ceil(requests / ranks), which
@@ -422,16 +380,20 @@ def simulate(
             if colocated:
                 # its unit's prefill time after the request joined (decoding waits through it)
                 held = held + prefill_after(busy_spans, a_unit, a_from)
-            gain = np.maximum(run_s - held, 0.0) / step[a_unit] * per_step
-            produced = np.minimum(gain, remaining)
-            out_hour[min(int(t0 // 3600), hours - 1)] += produced.sum() * S
-            unit_tokens = np.bincount(a_unit, produced, d_max)[active] * S
+            running, produced, kv_produced, unit_produced, unit_started = advance_batch(
+                a_idx, a_unit, a_done, a_from, run_s, remaining, held, step, per_step, t1,
+                inputs, outputs, first_token, finish_t, tpot, status, COMPLETED, d_max,
+            )  # fmt: skip
+            a_idx, a_unit, a_done, a_from = (x[:running] for x in (a_idx, a_unit, a_done, a_from))
+            out_hour[min(int(t0 // 3600), hours - 1)] += produced * S
+            kv_weighted += kv_produced * S
+            unit_tokens = unit_produced[active] * S
             # a step's first token comes a step after the last; an accepted draft comes with it
             steps_tokens = unit_tokens / per_step
             itl_tokens[0] += unit_tokens.sum() * (1.0 - 1.0 / per_step)
             if colocated:
                 # the first token of each request after the unit's prefills waited through them
-                waited = np.bincount(a_unit, produced > 0, d_max)[active] * S
+                waited = unit_started[active] * S
                 waited = np.where(prefill_busy[active] > 0, np.minimum(waited, steps_tokens), 0.0)
                 after = step[active] + prefill_busy[active]
                 bins = np.clip(np.searchsorted(itl_edges, after) - 1, 0, itl_tokens.size - 1)
@@ -439,23 +401,6 @@ def simulate(
                 steps_tokens = steps_tokens - waited
             bins = np.clip(np.searchsorted(itl_edges, step[active]) - 1, 0, itl_tokens.size - 1)
             itl_tokens += np.bincount(bins, steps_tokens, itl_tokens.size)
-            kv_weighted += float((produced * (inputs[a_idx] + a_done + produced / 2)).sum()) * S
-            fin = gain >= remaining
-            if fin.any():
-                f_idx = a_idx[fin]
-                left = remaining[fin]  # 0 for a request whose only token came from prefill
-                finish_t[f_idx] = (
-                    a_from[fin]
-                    + held[fin]
-                    + left / per_step * np.where(left > 0, step[a_unit[fin]], 0.0)
-                )
-                status[f_idx] = COMPLETED
-                many = outputs[f_idx] > 1
-                f_idx = f_idx[many]
-                tpot[f_idx] = (finish_t[f_idx] - first_token[f_idx]) / (outputs[f_idx] - 1)
-            keep = ~fin
-            a_idx, a_unit, a_from = a_idx[keep], a_unit[keep], np.full(keep.sum(), t1)
-            a_done = (a_done + produced)[keep]
             rec_batch[r] += batch / rec_every
             rec_kv[r] += kv_tokens * S / kv_cap_unit / rec_every
             rec_step[r] = np.where(active, step, rec_step[r])
