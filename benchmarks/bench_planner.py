@@ -7,7 +7,7 @@ of DeepSeek's generated day, TTFT p95 <= 2 s, TPOT p95 <= 50 ms, H800, one simul
 Prints a Markdown table: the chosen prefill and decode units, the best aggregated fleet, shapes
 simulated and pruned, wall time and peak resident memory.
 
-Run: ``.venv/bin/python -m benchmarks.bench_planner [--hours 4] [--variant NAME ...]`` (8 to 30
+Run: ``.venv/bin/python -m benchmarks.bench_planner [--hours 4] [--variant NAME ...]`` (8 to 35
 minutes per row at 4 hours on a 2-core machine).
 """
 
