@@ -152,10 +152,8 @@ def admit_ready(
         u = unit[c]
         added_kv[u] += need[c]
         added[u] += 1.0
-        fits[c] = (
-            d_units > 0
-            and kv_now[u] + added_kv[u] <= kv_cap_unit
-            and (running[u] + added[u] * scale <= batch_cap_unit)
+        fits[c] = kv_now[u] + added_kv[u] <= kv_cap_unit and (
+            running[u] + added[u] * scale <= batch_cap_unit
         )
     n_fit = int(fits.sum())
     n = a_idx.size
