@@ -29,6 +29,19 @@ def tiny_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def single_file_path(tmp_path_factory):
+    """The same checkpoint as ``tiny_path`` stored as one ``model.safetensors`` with no index."""
+    return init_tiny(tmp_path_factory.mktemp("ckpt") / "single", tokenizer="bpe", shards=1)
+
+
+@pytest.fixture(params=["sharded", "single-file"])
+def layout_path(request):
+    """Each storage layout of the tiny checkpoint: shards with an index, and one file."""
+    name = "tiny_path" if request.param == "sharded" else "single_file_path"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_path):
     import transformers
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeinfra.engine import LLM
+from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.fp8 import dequantize, quantize
 from moeinfra.engine.hf_config import CheckpointError, parse_config, read_config
@@ -21,6 +21,29 @@ def _copy(src, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(src, dst)
     return dst
+
+
+def _file_of(path, name):
+    """The safetensors file holding tensor ``name`` (sharded with an index, or one file)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return path / json.loads(index.read_text())["weight_map"][name]
+    return path / "model.safetensors"
+
+
+def test_both_layouts_load_the_same_weights_and_generate_the_same(tiny_path, single_file_path):
+    assert not (single_file_path / "model.safetensors.index.json").exists()
+    sharded, single = CheckpointReader(tiny_path), CheckpointReader(single_file_path)
+    assert sorted(sharded.names()) == sorted(single.names())
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    assert name in single and torch.equal(sharded.get(name), single.get(name))
+    prompts = ["KV cache", "Prefill and decode are disaggregated"]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    outs = [
+        [o.outputs[0].token_ids for o in LLM(p).generate(prompts, greedy, use_tqdm=False)]
+        for p in (tiny_path, single_file_path)
+    ]
+    assert outs[0] == outs[1]
 
 
 def test_config_reads_deepseek_v3_keys(tiny_path):
@@ -63,8 +86,9 @@ def test_fp8_block_round_trip_within_fp8_error():
         dequantize(q, scale[:2])
 
 
-def test_fp8_checkpoint_loads_within_fp8_error_of_the_originals(tmp_path):
-    path = init_tiny(tmp_path / "fp8", tokenizer="bpe", fp8=True)
+@pytest.mark.parametrize("shards", [2, 1])
+def test_fp8_checkpoint_loads_within_fp8_error_of_the_originals(tmp_path, shards):
+    path = init_tiny(tmp_path / "fp8", tokenizer="bpe", fp8=True, shards=shards)
     raw = read_config(path)
     assert raw["quantization_config"]["weight_block_size"] == [128, 128]
     originals = random_weights(tiny_config(raw["vocab_size"]), seed=0)
@@ -99,11 +123,17 @@ def test_missing_shard_names_the_file_and_a_tensor(tiny_path, tmp_path):
     assert "\n" not in msg
 
 
-def test_wrong_shape_names_the_tensor_and_both_shapes(tiny_path, tmp_path):
-    path = _copy(tiny_path, tmp_path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())
+def test_single_file_missing_names_both_layouts(single_file_path, tmp_path):
+    path = _copy(single_file_path, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no model.safetensors.index.json and no model"):
+        LLM(path)
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(layout_path, tmp_path):
+    path = _copy(layout_path, tmp_path)
     name = "model.layers.0.self_attn.kv_b_proj.weight"
-    shard = path / index["weight_map"][name]
+    shard = _file_of(path, name)
     tensors = load_file(shard)
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, shard)
@@ -113,12 +143,18 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tiny_path, tmp_path):
         LLM(path)
 
 
-def test_missing_tensor_unknown_architecture_and_missing_tokenizer(tiny_path, tmp_path):
-    path = _copy(tiny_path, tmp_path)
+def test_missing_tensor_unknown_architecture_and_missing_tokenizer(layout_path, tmp_path):
+    path = _copy(layout_path, tmp_path)
     index_path = path / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    del index["weight_map"]["model.layers.2.mlp.experts.7.up_proj.weight"]
-    index_path.write_text(json.dumps(index))
+    gone = "model.layers.2.mlp.experts.7.up_proj.weight"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        del index["weight_map"][gone]
+        index_path.write_text(json.dumps(index))
+    else:
+        tensors = load_file(path / "model.safetensors")
+        del tensors[gone]
+        save_file(tensors, path / "model.safetensors")
     with pytest.raises(
         CheckpointError, match=r"tensor model.layers.2.mlp.experts.7.up_proj.weight is missing"
     ):
@@ -167,8 +203,9 @@ def test_init_tiny_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path
     ]
 
 
-def test_only_the_ranks_own_experts_are_read(tiny_path):
+def test_only_the_ranks_own_experts_are_read(layout_path):
     """A rank's model holds the experts of its slots only (what EP loading promises)."""
+    tiny_path = layout_path
     import numpy as np
 
     from moeinfra.eplb import rebalance
@@ -195,12 +232,13 @@ def test_only_the_ranks_own_experts_are_read(tiny_path):
     assert experts_read == expected
 
 
-def test_bfloat16_checkpoint_loads_as_bfloat16_and_tracks_float32(tmp_path, tiny_path):
+@pytest.mark.parametrize("shards", [2, 1])
+def test_bfloat16_checkpoint_loads_as_bfloat16_and_tracks_float32(tmp_path, tiny_path, shards):
     from moeinfra.engine import EngineConfig, EngineCore
     from moeinfra.engine.kv_cache import StepCache
     from moeinfra.moe.mla import Segment
 
-    path = init_tiny(tmp_path / "bf16", tokenizer="bpe", dtype="bfloat16")
+    path = init_tiny(tmp_path / "bf16", tokenizer="bpe", dtype="bfloat16", shards=shards)
     stored = load_file(next(path.glob("*.safetensors")))
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     ids = torch.arange(20, 60)

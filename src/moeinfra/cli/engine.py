@@ -24,13 +24,44 @@ def init_tiny_cmd(
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     fp8: bool = typer.Option(False, "--fp8", help="Store projections as FP8 128x128 blocks."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    shards: int = typer.Option(
+        2, "--shards", help="Safetensors files; 1 writes one model.safetensors with no index."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="KEY=VALUE of config.json to change, e.g. hidden_size=256 (repeatable)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
 ) -> None:
     """Write a small DeepSeek-V3-shaped checkpoint (random weights) in Hugging Face's format."""
     from moeinfra.engine.tiny import init_tiny
 
-    out = init_tiny(path, tokenizer=tokenizer, dtype=dtype, fp8=fp8, seed=seed, overwrite=overwrite)
+    out = init_tiny(
+        path,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        fp8=fp8,
+        seed=seed,
+        shards=shards,
+        overwrite=overwrite,
+        config=_config_overrides(overrides),
+    )
     typer.echo(f"tiny DeepSeek-V3 checkpoint written to {out}")
+
+
+def _config_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings -> config values (JSON numbers and booleans, else strings)."""
+    from moeinfra.errors import InputError
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {item!r} must be KEY=VALUE, e.g. hidden_size=256")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 @app.command()

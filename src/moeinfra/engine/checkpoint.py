@@ -30,6 +30,7 @@ class CheckpointReader:
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = Path(model_dir)
+        self._open: dict[str, object] = {}
         index = self.model_dir / INDEX
         if index.is_file():
             try:
@@ -49,7 +50,6 @@ class CheckpointReader:
                 raise CheckpointError(
                     f"{self.model_dir / shard}: shard missing (listed in {INDEX} for {tensor})"
                 )
-        self._open: dict[str, object] = {}
 
     def _keys(self, shard: str) -> list[str]:
         return list(self._file(shard).keys())

@@ -236,9 +236,20 @@ def init_tiny(
     seed: int = 0,
     shards: int = 2,
     overwrite: bool = False,
+    config: dict | None = None,
 ) -> Path:
-    """Write the tiny checkpoint to ``path`` (a new folder) and return it."""
+    """Write the tiny checkpoint to ``path`` (a new folder) and return it.
+
+    ``config`` replaces keys of :func:`tiny_config` (``hidden_size``, ``num_hidden_layers``,
+    ``n_routed_experts``, ``kv_lora_rank``, ...) to write a larger DeepSeek-V3-shaped checkpoint;
+    ``vocab_size`` comes from the tokenizer. ``shards=1`` writes one ``model.safetensors`` with no
+    index (as ``save_pretrained`` does for small models)."""
     path = Path(path)
+    unknown = sorted(set(config or {}) - set(tiny_config(0)) | ({"vocab_size"} & set(config or {})))
+    if unknown:
+        raise InputError(
+            f"config key {unknown[0]!r} cannot be set; use keys of tiny_config() but vocab_size"
+        )
     if tokenizer not in TOKENIZERS:
         raise InputError(
             f"tokenizer={tokenizer!r} is not allowed; use one of {', '.join(TOKENIZERS)}"
@@ -253,7 +264,7 @@ def init_tiny(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         vocab = write_tokenizer(tmp, tokenizer)
-        config = tiny_config(vocab, dtype)
+        config = tiny_config(vocab, dtype) | (config or {})
         weights = random_weights(config, seed)
         if fp8:
             config["quantization_config"] = {
@@ -283,6 +294,12 @@ def init_tiny(
 
 
 def _write_shards(folder: Path, weights: dict[str, torch.Tensor], shards: int) -> None:
+    """``shards`` files listed by ``model.safetensors.index.json``; one shard is written as a
+    lone ``model.safetensors`` with no index, as ``save_pretrained`` writes a small model."""
+    if shards == 1:
+        tensors = {n: t.contiguous() for n, t in weights.items()}
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return
     names = list(weights)
     per = -(-len(names) // shards)
     weight_map, total = {}, 0
