@@ -21,7 +21,7 @@ def test_delay_is_paid_at_wait_unless_hidden_by_work():
     start = time.perf_counter()
     out, _ = comm.all_to_all(x, [6], [6], "exposed").wait()
     assert time.perf_counter() - start >= 0.2
-    assert torch.equal(out, x) and out is not x
+    assert out is x  # one rank: nothing moves, the sent rows are the received rows
     pending = comm.all_to_all(x, [6], [6], "hidden")
     time.sleep(0.25)  # work between issue and wait hides the delay
     waited = time.perf_counter()

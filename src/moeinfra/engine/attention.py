@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
 from moeinfra.moe.config import MoEConfig
-from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention
+from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention, latent_query
 
 LATENT, ROPE_KEY = "kv", "k_pe"
 
@@ -76,10 +76,6 @@ def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
     )
 
 
-def _rows(latent: Latent, rows: torch.Tensor) -> Latent:
-    return Latent(latent.q_nope[rows], latent.q_pe[rows], latent.kv[rows], latent.k_pe[rows])
-
-
 def paged_mla_attention(
     mla: MLA, latent: Latent, segments: list[Segment], cache: LayerCache
 ) -> torch.Tensor:
@@ -87,21 +83,18 @@ def paged_mla_attention(
     plan = cache.step.plan(tuple(segments), plan_attention)
     if plan.num_tokens == 0:
         return latent.q_nope.new_zeros(0, mla.wo.out_features)
-    kv_store, pe_store = cache.part(LATENT), cache.part(ROPE_KEY)
-    kv_store[plan.write] = latent.kv.to(kv_store.dtype)
-    pe_store[plan.write] = latent.k_pe.to(pe_store.dtype)
+    store = cache.rows()  # [slots, kv_lora_rank + qk_rope_head_dim]: the latent, then the key
+    store[plan.write] = torch.cat([latent.kv, latent.k_pe], dim=-1).to(store.dtype)
+    query = latent_query(mla, latent)
     if not plan.chunks:  # decode only: every row in order
-        kv = kv_store[plan.decode_slots].to(latent.kv.dtype)
-        pe = pe_store[plan.decode_slots].to(latent.kv.dtype)
-        return latent_attention(mla, latent, kv, pe, plan.decode_mask)[:, 0]
-    out = latent.q_nope.new_empty(plan.num_tokens, mla.wo.out_features)
+        ctx = store[plan.decode_slots].to(query.dtype)
+        return latent_attention(mla, query, ctx, plan.decode_mask)[:, 0]
+    out = query.new_empty(plan.num_tokens, mla.wo.out_features)
     if plan.decode_rows.numel():
-        kv = kv_store[plan.decode_slots].to(latent.kv.dtype)
-        pe = pe_store[plan.decode_slots].to(latent.kv.dtype)
+        ctx = store[plan.decode_slots].to(query.dtype)
         rows = plan.decode_rows
-        out[rows] = latent_attention(mla, _rows(latent, rows), kv, pe, plan.decode_mask)[:, 0]
+        out[rows] = latent_attention(mla, query[rows], ctx, plan.decode_mask)[:, 0]
     for rows, context, mask in plan.chunks:
-        kv = kv_store[context].to(latent.kv.dtype)[None]
-        pe = pe_store[context].to(latent.kv.dtype)[None]
-        out[rows] = latent_attention(mla, _rows(latent, rows), kv, pe, mask)[0]
+        ctx = store[context].to(query.dtype)[None]
+        out[rows] = latent_attention(mla, query[rows], ctx, mask)[0]
     return out

@@ -102,3 +102,7 @@ class LayerCache:
 
     def part(self, name: str) -> torch.Tensor:
         return self.step.cache.part(self.index, name)
+
+    def rows(self) -> torch.Tensor:
+        """``[slots, values]``: every part of this layer's slots, in the layout's order."""
+        return self.step.cache.data[self.index]

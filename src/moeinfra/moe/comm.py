@@ -35,7 +35,8 @@ from moeinfra.moe.timeline import Recorder
 
 
 class Pending:
-    """An exchange in flight; :meth:`wait` returns ``(output, recv_counts)`` once usable.
+    """An exchange in flight; :meth:`wait` returns ``(output, recv_counts)`` once usable (on one
+    rank the output is the tensor that was sent: nothing moves, nothing is copied).
 
     ``recv_counts`` is the layout a dispatch received (``[world * slots]`` int64), None for a combine.
     """
@@ -119,8 +120,8 @@ class Communicator:
         pending = Pending(self, name)
         slots = slot_counts.numel() // self.world_size
         send_splits = slot_counts.view(self.world_size, slots).sum(1).tolist()
-        if self.world_size == 1:
-            pending._started = _done((None, send.clone(), slot_counts.clone()))
+        if self.world_size == 1:  # nothing is sent: the caller's rows are the received rows
+            pending._started = _done((None, send, slot_counts))
             pending._mark_done()
             return pending
 
@@ -141,7 +142,7 @@ class Communicator:
         """Issue ``all_to_all_single`` of the rows of ``send [sum(send_splits), H]``."""
         pending = Pending(self, name)
         if self.world_size == 1:
-            pending._started = _done((None, send.clone(), None))
+            pending._started = _done((None, send, None))
             pending._mark_done()
             return pending
 

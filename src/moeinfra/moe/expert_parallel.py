@@ -131,6 +131,7 @@ class ExpertParallelMoE(nn.Module):
         self.load_counts = torch.zeros(self.config.num_routed_experts, dtype=torch.int64)
         self._token_offset = self.comm.rank
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._slot_table: torch.Tensor | None = None
 
     def local_experts(self) -> list[int]:
         """Logical expert of each of this rank's slots."""
@@ -152,12 +153,7 @@ class ExpertParallelMoE(nn.Module):
                 ).cpu()
             # Interleaved global token ids (local index * world + rank) need no exchange and differ
             # between ranks, so every rank starts each expert's replicas at a different one.
-            token_ids = (
-                torch.arange(num_tokens, dtype=torch.int64, device=indices.device) * world
-                + self._token_offset
-            )
-            slots = replica_for_tokens(self.plan, self.layer, indices, token_ids[:, None])
-            slots = slots.reshape(-1)
+            slots = self._slots_of(indices)
             order = torch.argsort(slots, stable=True)
             slot_counts = torch.bincount(slots, minlength=world * s)
         with rec.compute(f"{name}.pack"):
@@ -166,25 +162,52 @@ class ExpertParallelMoE(nn.Module):
         pending = self.comm.dispatch(rows, slot_counts, name)
         return Routed(order, weights, send_splits, pending, name)
 
+    def _slots_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """``[T * k]`` physical slot of every routed pair of ``indices [T, k]``."""
+        if self._slot_table is None and int(self.plan.logcnt[self.layer].max()) == 1:
+            # one replica per expert: a lookup, no spreading to compute (and no host round trip)
+            table = torch.from_numpy(self.plan.log2phy[self.layer, :, 0].astype(np.int64))
+            self._slot_table = table.to(indices.device)
+        if self._slot_table is not None:
+            return self._slot_table[indices.reshape(-1)]
+        # Interleaved global token ids (local index * world + rank) need no exchange and differ
+        # between ranks, so every rank starts each expert's replicas at a different one.
+        token_ids = (
+            torch.arange(indices.shape[0], dtype=torch.int64, device=indices.device)
+            * self.comm.world_size
+            + self._token_offset
+        )
+        return replica_for_tokens(self.plan, self.layer, indices, token_ids[:, None]).reshape(-1)
+
     def compute_experts(self, routed: Routed) -> torch.Tensor:
         """Wait for the dispatch, run the local experts on the received rows -> ``[N, H]``."""
         rows, recv_counts = routed.pending.wait()
         world, s = self.comm.world_size, self.slots_per_rank
         recv_counts = recv_counts.view(world, s)
         routed.recv_splits = recv_counts.sum(1).tolist()
-        recv_slot = torch.repeat_interleave(
-            torch.arange(s, device=rows.device).repeat(world), recv_counts.reshape(-1)
-        )
-        out = torch.empty_like(rows)
-        by_slot = torch.argsort(recv_slot, stable=True)
         counts = recv_counts.sum(0)
+        if world == 1:  # rows arrive sorted by slot already
+            by_slot = None
+        else:
+            recv_slot = torch.repeat_interleave(
+                torch.arange(s, device=rows.device).repeat(world), recv_counts.reshape(-1)
+            )
+            by_slot = torch.argsort(recv_slot, stable=True)
         stacked = self._stacked_weights()
         if stacked is not None:
             w13, w2 = stacked
             ends = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(rows[by_slot], w13, offs=ends).chunk(2, dim=-1)
-            out[by_slot] = F.grouped_mm(F.silu(gate) * up, w2, offs=ends)
+            sorted_rows = rows if by_slot is None else rows[by_slot]
+            gate, up = F.grouped_mm(sorted_rows, w13, offs=ends).chunk(2, dim=-1)
+            done = F.grouped_mm(F.silu(gate) * up, w2, offs=ends)
+            if by_slot is None:
+                return done
+            out = torch.empty_like(rows)
+            out[by_slot] = done
             return out
+        if by_slot is None:
+            by_slot = torch.arange(rows.shape[0], device=rows.device)
+        out = torch.empty_like(rows)
         start = 0
         for slot, count in enumerate(counts.tolist()):
             if count:
@@ -302,7 +325,7 @@ class ExpertParallelMoE(nn.Module):
                 _load_flat(module, received[expert])
                 experts.append(module)
         self.experts = nn.ModuleList(_distinct(experts))
-        self._stack = None
+        self._stack = self._slot_table = None
         self.plan = new_plan
         return len(received)
 

@@ -13,18 +13,19 @@ half applied after attention, as in DeepSeek's inference code (``attn_impl="abso
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from moeinfra.moe.config import MoEConfig
-from moeinfra.moe.layers import RMSNorm
+from moeinfra.moe.layers import Linear, RMSNorm
 from moeinfra.moe.rope import (
     RotaryTable,
     cos_sin_scale,
     inverse_frequencies,
-    rotate,
+    rotate_cis,
     softmax_scale,
 )
 
@@ -60,7 +61,16 @@ class KVCache:
 
 
 def positions_of(segments: list[Segment], device: torch.device | None = None) -> torch.Tensor:
-    """``[T]`` int64 position of every token of ``segments`` (concatenated in order)."""
+    """``[T]`` int64 position of every token of ``segments`` (concatenated in order).
+
+    The same segments give the same tensor object (the last few are kept), so that a step's layers
+    share it, and with it the rotary rows gathered for it (:class:`RotaryTable`). Do not modify it.
+    """
+    return _positions(tuple(segments), None if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(segments: tuple[Segment, ...], device: torch.device | None) -> torch.Tensor:
     if not segments:
         return torch.zeros(0, dtype=torch.int64, device=device)
     starts = torch.tensor([s.start for s in segments], device=device)
@@ -89,25 +99,19 @@ class MLA(nn.Module):
         super().__init__()
         c = self.config = config
         self.heads = c.num_attention_heads
-        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
-        self.wq_b = nn.Linear(c.q_lora_rank, self.heads * c.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.wq_b = Linear(c.q_lora_rank, self.heads * c.qk_head_dim)
+        self.wkv_a = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
         self.kv_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(
-            c.kv_lora_rank, self.heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
-        )
-        self.wo = nn.Linear(self.heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.wkv_b = Linear(c.kv_lora_rank, self.heads * (c.qk_nope_head_dim + c.v_head_dim))
+        self.wo = Linear(self.heads * c.v_head_dim, c.hidden_size)
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
-        self.rotary = RotaryTable(
-            inverse_frequencies(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling),
-            cos_sin_scale(c.rope_scaling),
-        )
+        self.rotary = _rotary_table(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate the RoPE dims ``x [T, ..., qk_rope_head_dim]`` to ``positions [T]``."""
-        cos, sin = self.rotary(positions)
-        return rotate(x, cos, sin, self.config.rope_interleave)
+        return rotate_cis(x, self.rotary.cis(positions), self.config.rope_interleave)
 
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> Latent:
         """ATTN-0 of the absorbed form: ``x [T, H]`` (normed), ``positions [T]`` -> :class:`Latent`."""
@@ -115,9 +119,9 @@ class MLA(nn.Module):
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(n, self.heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return Latent(
-            q_nope, self.rope(q_pe, positions), self.kv_norm(kv), self.rope(k_pe, positions)
-        )
+        # the shared key rides along as one more head: one rotation for both
+        pe = self.rope(torch.cat([q_pe, k_pe[:, None]], dim=1), positions)
+        return Latent(q_nope, pe[:, : self.heads], self.kv_norm(kv), pe[:, self.heads])
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``wkv_b`` split per head: key half ``[heads, qk_nope_head_dim, kv_lora_rank]`` and value
@@ -170,31 +174,41 @@ class MLA(nn.Module):
         return self.attend(self.project(x, positions_of(segments, x.device)), segments, KVCache())
 
 
+def latent_query(mla: MLA, latent: Latent) -> torch.Tensor:
+    """``[T, heads, kv_lora_rank + qk_rope_head_dim]``: each head's query in the cache's space —
+    ``q_nope W_uk`` (``wkv_b``'s key half folded in) beside the rotated ``q_pe``."""
+    w_uk, _ = mla.absorbed_weights()
+    q_lat = torch.matmul(latent.q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    return torch.cat([q_lat, latent.q_pe], dim=-1)
+
+
 def latent_attention(
-    mla: MLA,
-    latent: Latent,
-    kv_ctx: torch.Tensor,
-    pe_ctx: torch.Tensor,
-    mask: torch.Tensor | None,
+    mla: MLA, query: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Absorbed MLA attention of ``S`` query groups over their cached contexts -> ``[S, Q, H]``.
 
-    ``latent`` holds ``S * Q`` query tokens (group-major); ``kv_ctx [S, L, kv_lora_rank]`` and
-    ``pe_ctx [S, L, qk_rope_head_dim]`` are each group's cached latents (its own tokens included);
-    ``mask [S, Q, L]`` is True where a query may attend (None: everywhere). Scores are
-    ``q_nope W_uk c_kv + q_pe k_pe`` times the softmax scale; the output is
-    ``wo(softmax @ c_kv W_uv)``.
+    ``query [S * Q, heads, kv_lora_rank + qk_rope_head_dim]`` (:func:`latent_query`, group-major);
+    ``ctx [S, L, kv_lora_rank + qk_rope_head_dim]``: each group's cached entries (the normalised
+    latent ``c_kv`` then the rotated ``k_pe``; its own tokens included); ``mask [S, Q, L]`` is True
+    where a query may attend (None: everywhere). Scores are ``q_nope W_uk c_kv + q_pe k_pe`` times
+    the softmax scale; the output is ``wo(softmax @ c_kv W_uv)``.
     """
-    groups, length = kv_ctx.shape[:2]
-    w_uk, w_uv = mla.absorbed_weights()
-    q_nope = latent.q_nope.unflatten(0, (groups, -1))
-    q_pe = latent.q_pe.unflatten(0, (groups, -1))
-    q_lat = torch.einsum("sqhd,hdc->sqhc", q_nope, w_uk)
-    scores = torch.einsum("sqhc,slc->shql", q_lat, kv_ctx)
-    scores = (scores + torch.einsum("sqhr,slr->shql", q_pe, pe_ctx)) * mla.scale
+    groups, length = ctx.shape[:2]
+    heads, rank = query.shape[1], mla.config.kv_lora_rank
+    q = query.unflatten(0, (groups, -1))
+    per_group = q.shape[1]
+    scores = torch.matmul(q.flatten(1, 2), ctx.transpose(1, 2)).mul_(mla.scale)
+    scores = scores.view(groups, per_group, heads, length)
     if mask is not None:
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out_lat = torch.einsum("shql,slc->sqhc", probs, kv_ctx)
-    out = torch.einsum("sqhc,hvc->sqhv", out_lat, w_uv).flatten(2)
-    return mla.wo(out)
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1).view(groups, per_group * heads, length)
+    out_lat = torch.matmul(probs, ctx[..., :rank]).view(groups * per_group, heads, rank)
+    _, w_uv = mla.absorbed_weights()
+    out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    return mla.wo(out.flatten(1)).view(groups, per_group, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_table(dim: int, theta: float, yarn) -> RotaryTable:
+    """One table per RoPE configuration, shared by every layer (they rotate alike)."""
+    return RotaryTable(inverse_frequencies(dim, theta, yarn), cos_sin_scale(yarn))

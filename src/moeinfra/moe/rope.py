@@ -97,17 +97,31 @@ def softmax_scale(qk_head_dim: int, yarn: Yarn | None) -> float:
 class RotaryTable:
     """cos and sin (times ``scale``) of every rotated pair at positions ``0 .. n-1``, grown by
     doubling as larger positions come, so a step's layers gather rows instead of recomputing them.
-    Row ``p`` equals what ``positions * inv_freq`` gives for ``p`` (the same float32 arithmetic)."""
+    Row ``p`` equals what ``positions * inv_freq`` gives for ``p`` (the same float32 arithmetic).
+    The rows of the last ``positions`` tensor asked for are kept: layers that share the table and
+    the step's positions gather them once."""
 
     def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0) -> None:
         self.inv_freq, self.scale = inv_freq, scale
-        self.cos = self.sin = inv_freq.new_zeros(0, inv_freq.numel())
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cos = self.sin = self.inv_freq.new_zeros(0, self.inv_freq.numel())
+        self._table = torch.complex(self.cos, self.sin)
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (positions, cis rows)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[T, d/2]`` float32, of ``positions [T]``."""
+        cis = self.cis(positions)
+        return cis.real, cis.imag
+
+    def cis(self, positions: torch.Tensor) -> torch.Tensor:
+        """``cos + i sin``: ``[T, d/2]`` complex64 rows of ``positions [T]``."""
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1]
         if positions.device != self.inv_freq.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-            self.cos = self.sin = self.inv_freq.new_zeros(0, self.inv_freq.numel())
+            self._reset()
         if positions.numel():
             needed = int(positions.max()) + 1
             if needed > self.cos.shape[0]:
@@ -115,7 +129,10 @@ class RotaryTable:
                 angles = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
                 angles = angles[:, None] * self.inv_freq[None, :]
                 self.cos, self.sin = angles.cos() * self.scale, angles.sin() * self.scale
-        return self.cos[positions], self.sin[positions]
+                self._table = torch.complex(self.cos, self.sin)
+        rows = self._table[positions]
+        self._last = (positions, rows)
+        return rows
 
 
 def rotate(
@@ -135,3 +152,13 @@ def rotate(
         return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
     a, b = xf[..., : d // 2], xf[..., d // 2 :]
     return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+
+
+def rotate_cis(x: torch.Tensor, cis: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """:func:`rotate` with the rows of :meth:`RotaryTable.cis`: the interleaved layout as one
+    complex product (three kernels instead of eight), in float32."""
+    if not interleaved:
+        return rotate(x, cis.real, cis.imag, interleaved=False)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * cis.view(shape)).flatten(-2).to(x.dtype)

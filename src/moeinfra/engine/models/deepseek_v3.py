@@ -17,6 +17,7 @@ from moeinfra.engine.attention import mla_layout, paged_mla_attention
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.hf_config import ModelConfig, parse_config
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
+from moeinfra.engine.lm_head import LMHead
 from moeinfra.eplb import Plan
 from moeinfra.moe.block import finish
 from moeinfra.moe.comm import Communicator
@@ -106,7 +107,7 @@ class DeepseekV3(nn.Module):
         self.moe = experts
         self.decoder = ExpertParallelDecoder.from_layers(self.moe_blocks, self.moe, comm)
         self.norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
-        self.lm_head = nn.Linear(block.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = LMHead(block.hidden_size, c.vocab_size)
         self.plan = plan
 
     @torch.no_grad()
@@ -126,7 +127,7 @@ class DeepseekV3(nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` -> float32 logits ``[N, vocab]``."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
 
 def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
