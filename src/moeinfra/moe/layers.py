@@ -9,7 +9,6 @@ from torch.nn import functional as F
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
 
-
 # Below this many multiply-adds torch's own GEMM call is cheaper than oneDNN's set-up (~15 us).
 ONEDNN_MIN_MACS = 1 << 21
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -208,7 +208,7 @@ def latent_attention(
     return mla.wo(out.flatten(1)).view(groups, per_group, -1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rotary_table(dim: int, theta: float, yarn) -> RotaryTable:
     """One table per RoPE configuration, shared by every layer (they rotate alike)."""
     return RotaryTable(inverse_frequencies(dim, theta, yarn), cos_sin_scale(yarn))
