@@ -63,6 +63,12 @@ def test_generate_chat_on_the_default_checkpoint(tmp_path):
         (["generate", "-p", "x", "--top-p", "2"], "top_p=2.0 must be a number in (0, 1]"),
         (["generate", "-p", "x", "--ranks", "0"], "--ranks=0 must be a positive integer"),
         (["init-tiny", "/tmp/x", "--tokenizer", "gpt2"], "tokenizer='gpt2' is not allowed"),
+        (
+            ["generate", "-p", "x", "--device", "gpu"],
+            "device='gpu' is not allowed; use auto, cpu, cuda or cuda:N",
+        ),
+        (["init-tiny", "/tmp/x", "--set", "vocab_size=9"], "config key 'vocab_size' cannot be set"),
+        (["init-tiny", "/tmp/x", "--set", "hidden_size"], "--set 'hidden_size' must be KEY=VALUE"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, tiny_path):
@@ -95,5 +101,5 @@ def test_engine_options_are_checked_before_torch_is_imported():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == (
-        "dtype='int8' is not allowed; use one of float32, bfloat16, float16"
+        "dtype='int8' is not allowed; use one of auto, float32, bfloat16, float16"
     )

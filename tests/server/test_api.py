@@ -110,7 +110,9 @@ def test_cached_tokens_reported_for_a_repeated_prefix(client, model):
 
 def test_models_health_and_metrics(server, client, model):
     assert model == "tiny"
-    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok"
+    assert {(u["device"], u["dtype"]) for u in health["units"].values()} == {("cpu", "float32")}
     client.completions.create(model=model, prompt="hello", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
     for name in (
@@ -127,6 +129,37 @@ def test_models_health_and_metrics(server, client, model):
         assert name in text, name
     assert metric(server.url, "moeinfra:time_to_first_token_seconds_count") >= 1
     wait_until(lambda: metric(server.url, "moeinfra:kv_transfer_received_bytes") > 0)
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, tiny_bpe):
+    """vLLM's ``/tokenize`` and ``/detokenize`` (what ``vllm bench serve`` and other clients call),
+    checked against ``transformers``' tokenizer of the same checkpoint."""
+    import transformers
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(tiny_bpe))
+    text = PROMPTS[0]
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert r["tokens"] == ref(text)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] > 0 and r["token_strs"] is None
+    r = httpx.post(
+        f"{server.url}/tokenize",
+        json={"prompt": text, "add_special_tokens": False, "return_token_strs": True},
+    ).json()
+    assert r["tokens"] == ref(text, add_special_tokens=False)["input_ids"]
+    assert r["token_strs"] == ref.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": "Hello!"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert r["tokens"] == list(getattr(expected, "input_ids", expected))
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": ref.decode(r["tokens"])}
+    for path, body, param in (
+        ("/tokenize", {"model": "nope", "prompt": "x"}, "model"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ):
+        reply = httpx.post(f"{server.url}{path}", json=body)
+        assert reply.status_code in (400, 404) and reply.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize(

@@ -81,12 +81,16 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     redundant_experts: int = typer.Option(0, "--redundant-experts"),
     overlap: str = typer.Option("auto", "--overlap", help="auto, none, prefill or decode."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, ..."
+    ),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print results as JSON lines."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Generate a completion for each prompt."""
     from moeinfra.cli.options import input_folder
+    from moeinfra.engine.config import EngineConfig
     from moeinfra.engine.params import SamplingParams
     from moeinfra.errors import InputError
 
@@ -95,6 +99,8 @@ def generate(
         input_folder(model, "--model")
     if ranks < 1:
         raise InputError(f"--ranks={ranks} must be a positive integer")
+    options = dict(redundant_experts=redundant_experts, overlap=overlap, dtype=dtype, device=device)
+    EngineConfig(**options)
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -106,9 +112,7 @@ def generate(
     )
     from moeinfra.engine import LLM
 
-    with LLM(
-        model, ranks=ranks, redundant_experts=redundant_experts, overlap=overlap, dtype=dtype
-    ) as llm:
+    with LLM(model, ranks=ranks, **options) as llm:
         if chat:
             messages = [[{"role": "user", "content": p}] for p in prompt]
             results = llm.chat(messages, params, use_tqdm=not quiet)

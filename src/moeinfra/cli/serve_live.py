@@ -17,7 +17,15 @@ from moeinfra.cli.options import (
 
 
 def _engine_config(
-    num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens, dtype, redundant, eplb, overlap
+    num_kv_blocks,
+    block_size,
+    max_num_seqs,
+    max_num_batched_tokens,
+    dtype,
+    redundant,
+    eplb,
+    overlap,
+    device,
 ):
     from moeinfra.engine.config import EngineConfig
 
@@ -30,6 +38,7 @@ def _engine_config(
         redundant_experts=redundant,
         eplb_interval=eplb or None,
         overlap=overlap,
+        device=device,
     )
 
 
@@ -40,7 +49,14 @@ _BLOCKS = typer.Option(512, "--num-kv-blocks", help="KV blocks per rank.")
 _BLOCK = typer.Option(64, "--block-size", help="Tokens per KV block.")
 _SEQS = typer.Option(256, "--max-num-seqs", help="Requests per rank batch.")
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Tokens per rank step.")
-_DTYPE = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+_DTYPE = typer.Option(
+    "auto",
+    "--dtype",
+    help="auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16.",
+)
+_DEVICE = typer.Option(
+    "auto", "--device", help="auto (a GPU when torch sees one), cpu, cuda or cuda:N."
+)
 _REDUNDANT = typer.Option(0, "--redundant-experts", help="Extra expert slots per unit (EPLB).")
 _EPLB = typer.Option(0, "--eplb-interval", help="Rebalance experts every N steps (0: never).")
 _CACHE_BYTES = typer.Option(1 << 30, "--kv-cache-bytes", help="Byte cap of the on-disk KV cache.")
@@ -118,6 +134,7 @@ def register(app: typer.Typer) -> None:
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
         dtype: str = _DTYPE,
+        device: str = _DEVICE,
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
@@ -190,6 +207,7 @@ def register(app: typer.Typer) -> None:
                 redundant_experts,
                 eplb_interval,
                 overlap,
+                device,
             ),
             served_model_name=served_model_name,
             max_queue=max_queue,
@@ -223,6 +241,7 @@ def register(app: typer.Typer) -> None:
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
         dtype: str = _DTYPE,
+        device: str = _DEVICE,
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
@@ -279,6 +298,7 @@ def register(app: typer.Typer) -> None:
                 redundant_experts,
                 eplb_interval,
                 overlap,
+                device,
             ),
             kv_host=kv_host,
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,

@@ -32,18 +32,19 @@ def mla_layout(block: MoEConfig, num_layers: int, dtype: torch.dtype) -> KVLayou
 @dataclass
 class AttentionPlan:
     """Slots of one micro-batch's tokens: ``write [T]``; decode rows ``decode_rows [D]`` gathering
-    ``decode_slots [D, L]`` where ``decode_mask [D, 1, L]``; per prefill chunk ``(rows [n],
-    context slots [m], mask [1, n, m])``."""
+    ``decode_slots [D, L]`` where ``decode_mask [D, 1, L]`` (None when every context is ``L`` long);
+    per prefill chunk ``(rows [n], context slots [m], mask [1, n, m])``. On the cache's device."""
 
     num_tokens: int
     write: torch.Tensor
     decode_rows: torch.Tensor
     decode_slots: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_mask: torch.Tensor | None
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
+    device = step.cache.data.device
     offsets, row = [], 0
     for s in segments:
         offsets.append(row)
@@ -51,25 +52,29 @@ def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
     slots = step.slots
     write = [slots[s.seq][s.start : s.start + s.length] for s in segments]
     decode = [i for i, s in enumerate(segments) if s.length == 1]
+    decode_mask = None
     if decode:
         contexts = [slots[segments[i].seq][: segments[i].start + 1] for i in decode]
-        lengths = torch.tensor([c.numel() for c in contexts])
         decode_slots = pad_sequence(contexts, batch_first=True)
-        decode_mask = (torch.arange(decode_slots.shape[1])[None, :] < lengths[:, None])[:, None]
+        lengths = [segments[i].start + 1 for i in decode]
+        if min(lengths) < max(lengths):
+            lengths = torch.tensor(lengths, device=device)
+            positions = torch.arange(decode_slots.shape[1], device=device)
+            decode_mask = (positions[None, :] < lengths[:, None])[:, None]
     else:
-        decode_slots = torch.zeros(0, 0, dtype=torch.int64)
-        decode_mask = torch.zeros(0, 1, 0, dtype=torch.bool)
+        decode_slots = torch.zeros(0, 0, dtype=torch.int64, device=device)
     chunks = []
     for i, s in enumerate(segments):
         if s.length > 1:
             end = s.start + s.length
-            mask = torch.arange(end)[None, :] <= torch.arange(s.start, end)[:, None]
-            rows = torch.arange(offsets[i], offsets[i] + s.length)
+            keys = torch.arange(end, device=device)
+            mask = keys[None, :] <= torch.arange(s.start, end, device=device)[:, None]
+            rows = torch.arange(offsets[i], offsets[i] + s.length, device=device)
             chunks.append((rows, slots[s.seq][:end], mask[None]))
     return AttentionPlan(
         row,
-        torch.cat(write) if write else torch.zeros(0, dtype=torch.int64),
-        torch.tensor([offsets[i] for i in decode], dtype=torch.int64),
+        torch.cat(write) if write else torch.zeros(0, dtype=torch.int64, device=device),
+        torch.tensor([offsets[i] for i in decode], dtype=torch.int64, device=device),
         decode_slots,
         decode_mask,
         chunks,

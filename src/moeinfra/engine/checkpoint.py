@@ -2,7 +2,9 @@
 
 A checkpoint is ``model.safetensors`` or shards listed by ``model.safetensors.index.json``
 (``weight_map: {tensor name: shard file}``). Only the tensors asked for are read, so a rank reads its
-own experts and nothing else. FP8 weights with a ``weight_scale_inv`` beside them are dequantised.
+own experts and nothing else. FP8 weights with a ``weight_scale_inv`` beside them are dequantised by
+:meth:`CheckpointReader.get`, or read as stored by :meth:`CheckpointReader.fp8` for a loader that
+keeps them in FP8.
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ class CheckpointReader:
             return self._file(shard).get_tensor(name)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{self.model_dir / shard}: tensor {name}: {exc}") from None
+
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(weight, weight_scale_inv)`` as stored when ``name`` is an FP8 weight with its block
+        scales, else None."""
+        scale = name + SCALE_SUFFIX
+        if name not in self.weight_map or scale not in self.weight_map:
+            return None
+        weight = self._raw(name)
+        if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return None
+        return weight, self._raw(scale)
 
     def get(
         self, name: str, shape: tuple[int, ...] | None = None, dtype=torch.float32

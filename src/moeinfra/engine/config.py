@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moeinfra.errors import InputError
 
 OVERLAPS = ("auto", "none", "prefill", "decode")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+FP8_WEIGHTS = ("auto", "keep", "dequantize")
 
 
 @dataclass(frozen=True)
@@ -19,20 +22,34 @@ class EngineConfig:
     this many steps from the expert loads of the last ``eplb_window`` steps (None: never).
     ``overlap``: dual micro-batch schedule of the MoE layers — ``auto`` (prefill schedule when the
     step has prompt tokens, decode pipeline otherwise; ``none`` on one rank), or fixed.
+    ``device``: ``auto`` (a GPU when torch sees one), ``cpu``, ``cuda`` or ``cuda:N``; ``dtype``
+    ``auto`` is bfloat16 on a GPU and float32 on the CPU (see :mod:`moeinfra.engine.device`).
+    ``fp8_weights``: what happens to a checkpoint's FP8 projections — ``keep`` them in FP8
+    (:class:`~moeinfra.engine.fp8.Fp8Linear`), ``dequantize`` them to ``dtype`` at load, or
+    ``auto``: keep on a GPU with FP8 tensor cores (compute capability 8.9+), else dequantize.
     """
 
     block_size: int = 64
     num_kv_blocks: int = 512
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    dtype: str = "float32"
+    dtype: str = "auto"
     redundant_experts: int = 0
     eplb_interval: int | None = None
     eplb_window: int = 64
     overlap: str = "auto"
     enable_prefix_caching: bool = True
+    device: str = "auto"
+    fp8_weights: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.fp8_weights not in FP8_WEIGHTS:
+            raise InputError(
+                f"fp8_weights={self.fp8_weights!r} is not allowed; use one of "
+                f"{', '.join(FP8_WEIGHTS)}"
+            )
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
+            raise InputError(f"device={self.device!r} is not allowed; use {DEVICE_FORMS}")
         if self.dtype not in DTYPE_NAMES:
             raise InputError(
                 f"dtype={self.dtype!r} is not allowed; use one of {', '.join(DTYPE_NAMES)}"

@@ -9,6 +9,7 @@ takes part in every MoE layer's dispatch and combine, as DeepSeek's data-paralle
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from moeinfra.engine.checkpoint import CheckpointReader
-from moeinfra.engine.config import DTYPE_NAMES, EngineConfig
+from moeinfra.engine.config import EngineConfig
+from moeinfra.engine.device import keeps_fp8, resolve_device, resolve_dtype
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -31,10 +33,7 @@ from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator
-from moeinfra.moe.expert_parallel import load_matrix
 from moeinfra.moe.mla import Segment
-
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -122,13 +121,24 @@ class EngineCore:
         self.model_config: ModelConfig = self.arch.parse_config(raw, str(model_dir / "config.json"))
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.plan = self._initial_plan()
-        dtype = DTYPES[self.config.dtype]
+        local_rank = os.environ.get("LOCAL_RANK")  # torchrun's; a spawned rank's is set already
+        self.device = resolve_device(self.config.device, local_rank and int(local_rank))
+        self.dtype = dtype = resolve_dtype(self.config.dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model = self.arch.load(
-            CheckpointReader(model_dir), self.model_config, self.plan, self.comm, dtype
+            CheckpointReader(model_dir),
+            self.model_config,
+            self.plan,
+            self.comm,
+            dtype,
+            keep_fp8=keeps_fp8(self.config.fp8_weights, self.device),
         )
-        self.model.eval()
+        self.model.to(self.device).eval()
         layout = self.arch.kv_layout(self.model_config, dtype)
-        self.cache = PagedKVCache(layout, self.config.num_kv_blocks, self.config.block_size)
+        self.cache = PagedKVCache(
+            layout, self.config.num_kv_blocks, self.config.block_size, self.device
+        )
         self.blocks = BlockManager(self.config.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
@@ -138,7 +148,8 @@ class EngineCore:
         self._ids = itertools.count()
         self.steps = 0
         self.rebalances = 0
-        self.load_window: deque[np.ndarray] = deque(maxlen=self.config.eplb_window)
+        # per step, [moe layers, experts] routed copies, kept on the device until a plan needs them
+        self.load_window: deque[torch.Tensor] = deque(maxlen=self.config.eplb_window)
         self.stats: deque[StepStats] = deque(maxlen=4096)
         self.handoffs: list[Handoff] = []
         self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -190,7 +201,7 @@ class EngineCore:
             request_id,
             list(prompt_ids),
             params,
-            generator=request_generator(params.seed),
+            generator=request_generator(params.seed, self.device),
             stop_checker=StopChecker(params.stop, params.include_stop_str_in_output)
             if params.stop
             else None,
@@ -254,13 +265,14 @@ class EngineCore:
                 ids.append(seq.output_ids[-1])
             else:
                 ids.extend(seq.token_ids[c.start : c.start + c.length])
-        input_ids = torch.tensor(ids, dtype=torch.int64)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         step_cache = StepCache(self.cache, {c.seq.seq_id: self._slots(c.seq) for c in scheduled})
         forward_began = time.perf_counter()
         hidden = self.model(input_ids, segments, step_cache, overlap)
         forward_s = time.perf_counter() - forward_began
         self.steps += 1
-        self.load_window.append(load_matrix(list(self.model.moe), all_reduce=False))
+        if self.model_config.num_moe_layers:
+            self.load_window.append(_take_step_load(self.model.moe))
         interval = self.config.eplb_interval
         if interval is not None and self.steps % interval == 0:
             self.rebalance()
@@ -314,7 +326,7 @@ class EngineCore:
         table = self.blocks.block_table(seq.seq_id)
         cached = self._slot_cache.get(seq.seq_id)
         if cached is None or cached[0] != table:
-            cached = (table, StepCache.slots_of(table, self.blocks.block_size))
+            cached = (table, StepCache.slots_of(table, self.blocks.block_size, self.device))
             self._slot_cache[seq.seq_id] = cached
         return cached[1]
 
@@ -323,12 +335,13 @@ class EngineCore:
         pre = seq.preloaded
         slots = self._slots(seq)[pre.write_from : end]
         rows = pre.kv[:, pre.write_from - pre.start : end - pre.start]
-        self.cache.data[:, slots] = rows.to(self.cache.data.dtype)
+        self.cache.data[:, slots] = rows.to(self.device, self.cache.data.dtype)
         seq.preloaded = None
 
     def prompt_kv(self, seq: Sequence) -> torch.Tensor:
-        """``[layers, prompt tokens, values]`` copy of ``seq``'s prompt KV from the cache."""
-        return self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]].clone()
+        """``[layers, prompt tokens, values]`` copy of ``seq``'s prompt KV from the cache, in host
+        memory (where a transfer or the on-disk cache takes it from)."""
+        return self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]].cpu()
 
     def _hand_off(self, seq: Sequence) -> None:
         self.handoffs.append(
@@ -407,12 +420,19 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ expert rebalancing
+    def window_load(self) -> np.ndarray | None:
+        """``[moe layers, experts]`` int64 routed copies of this rank's last ``eplb_window`` steps
+        (None before any step)."""
+        if not self.load_window:
+            return None
+        return torch.stack(list(self.load_window)).sum(0).cpu().numpy()
+
     def rebalance(self) -> int:
         """Re-place experts from the loads of the last ``eplb_window`` steps (summed over ranks)
         and migrate their weights live (collective). Returns the expert tensors this rank received."""
-        if not self.load_window or not self.model_config.num_moe_layers:
+        load = self.window_load()
+        if load is None:
             return 0
-        load = np.sum(list(self.load_window), axis=0)
         if self.comm.distributed and self.comm.world_size > 1:
             t = torch.from_numpy(load.astype(np.int64))
             dist.all_reduce(t, group=self.comm.group)
@@ -423,3 +443,12 @@ class EngineCore:
         self.plan = self.model.plan = plan
         self.rebalances += 1
         return received
+
+
+def _take_step_load(layers) -> torch.Tensor:
+    """``[layers, experts]`` routed copies each layer counted since the last call; resets them
+    (on the layers' device, no host round trip)."""
+    load = torch.stack([layer.load_counts for layer in layers])
+    for layer in layers:
+        layer.load_counts.zero_()
+    return load

@@ -8,6 +8,8 @@ A quantised linear weight ``W [out, in]`` is stored as ``weight`` (``float8_e4m3
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from moeinfra.errors import InputError
 
@@ -46,3 +48,112 @@ def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     scale_inv = (amax / FP8_MAX).clamp(min=1e-12)
     q = (w / _expand(scale_inv, w.shape, block)).to(torch.float8_e4m3fn)
     return q, scale_inv
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays in DeepSeek's FP8 format: ``weight [out, in]``
+    (``float8_e4m3fn``) and ``weight_scale_inv [ceil(out/128), ceil(in/128)]`` (float32).
+
+    ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype. On a GPU whose ``torch._scaled_mm``
+    takes DeepSeek's block scales (CUDA 12.9+ on sm90: activations quantised per token and
+    128-wide group, as DeepSeek's ``act_quant``), the product runs in FP8 on the tensor cores; the
+    first call checks that kernel against the dequantised product and keeps it only if it agrees.
+    Elsewhere (the CPU, other GPUs, shapes not in 128-multiples) the weight is dequantised for the
+    call: the same numbers as a checkpoint dequantised at load, half the memory held.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        super().__init__()
+        expected = (-(-weight.shape[0] // BLOCK), -(-weight.shape[1] // BLOCK))
+        if tuple(scale_inv.shape) != expected:
+            raise InputError(
+                f"weight_scale_inv has shape {tuple(scale_inv.shape)}, weight "
+                f"{tuple(weight.shape)} needs {expected} for {BLOCK}x{BLOCK} blocks"
+            )
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale_inv, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if _scaled_mm_usable(self, flat):
+            out = _scaled_mm_checked(self, flat)
+            if out is not None:
+                return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized(x.dtype))
+
+
+# per CUDA device: whether torch._scaled_mm ran DeepSeek's block scaling correctly there, and why
+# not when it failed at once
+_SCALED_MM_OK: dict[torch.device, bool] = {}
+_SCALED_MM_ERRORS: dict[torch.device, str] = {}
+ROW_ALIGN = 16
+
+
+def _scaled_mm_usable(layer: Fp8Linear, x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and _SCALED_MM_OK.get(x.device, True)
+        and hasattr(torch, "_scaled_mm")
+        and layer.in_features % BLOCK == 0
+        and layer.out_features % BLOCK == 0
+        and x.shape[0] > 0
+    )
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's ``act_quant``: ``x [M, K]`` in 1x128 groups -> ``(fp8 [M, K], scale [M, K/128])``
+    with ``x ~= fp8 * scale`` per group."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // BLOCK, BLOCK)
+    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (groups / scale[..., None]).view(m, k).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor):
+    """``x [M, K] @ dequant(weight)^T`` in FP8 by ``torch._scaled_mm`` with 1x128 activation and
+    128x128 weight scales (the 1x128 scales passed outer-dim-major, as cuBLAS wants them)."""
+    rows = x.shape[0]
+    padded = -(-rows // ROW_ALIGN) * ROW_ALIGN  # cuBLAS wants aligned row counts: pad with zeros
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    x_fp8, x_scale = quantize_activations(x)
+    x_scale = x_scale.t().contiguous().t()
+    out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
+    out = torch._scaled_mm(
+        x_fp8, weight.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=out_dtype
+    )
+    return out[:rows].to(x.dtype)
+
+
+def _scaled_mm_checked(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
+    device = x.device
+    try:
+        out = scaled_mm_blockwise(x, layer.weight, layer.weight_scale_inv)
+    except (RuntimeError, ValueError, TypeError) as err:
+        if device not in _SCALED_MM_OK:  # never worked here: do not try again
+            _SCALED_MM_OK[device] = False
+            _SCALED_MM_ERRORS[device] = f"{type(err).__name__}: {err}"[:500]
+        return None
+    if device not in _SCALED_MM_OK:
+        reference = F.linear(x.float(), layer.dequantized(torch.float32))
+        agree = F.cosine_similarity(out.float().flatten(), reference.flatten(), dim=0)
+        _SCALED_MM_OK[device] = bool(agree > 0.99)
+        if not _SCALED_MM_OK[device]:
+            return None
+    return out
+
+
+def fp8_kernel(device: torch.device) -> str:
+    """Which FP8 product ran on ``device``: ``scaled_mm`` (tensor cores), ``dequantize`` (the
+    weight dequantised per call) or ``untried``."""
+    if device not in _SCALED_MM_OK:
+        return "untried" if device.type == "cuda" else "dequantize"
+    if _SCALED_MM_OK[device]:
+        return "scaled_mm"
+    reason = _SCALED_MM_ERRORS.get(device)
+    return f"dequantize ({reason})" if reason else "dequantize (scaled_mm disagreed)"

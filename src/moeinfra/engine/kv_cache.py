@@ -88,9 +88,11 @@ class StepCache:
         return self.plans[segments]
 
     @staticmethod
-    def slots_of(block_table: list[int], block_size: int) -> torch.Tensor:
-        blocks = torch.tensor(block_table, dtype=torch.int64)
-        return (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    def slots_of(block_table: list[int], block_size: int, device=None) -> torch.Tensor:
+        """``[len(block_table) * block_size]`` slot of every position the blocks hold."""
+        blocks = torch.tensor(block_table, dtype=torch.int64, device=device)
+        offsets = torch.arange(block_size, device=device)
+        return (blocks[:, None] * block_size + offsets).reshape(-1)
 
 
 @dataclass

@@ -20,7 +20,8 @@ from moeinfra.engine.kv_cache import KVLayout
 @dataclass(frozen=True)
 class Architecture:
     """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype) -> KVLayout``;
-    ``load(reader, config, plan, comm, dtype) -> model`` (see :mod:`.models.deepseek_v3`)."""
+    ``load(reader, config, plan, comm, dtype, keep_fp8=False) -> model`` (see
+    :mod:`.models.deepseek_v3`)."""
 
     model_type: str
     hf_architecture: str

@@ -274,9 +274,10 @@ def init_tiny(
                 "weight_block_size": [128, 128],
             }
             weights = quantize_fp8(weights)
+        # FP8 weights and their float32 block scales stay as DeepSeek ships them
         weights = {
             k: t.to(DTYPES[dtype])
-            if t.is_floating_point() and t.dtype != torch.float8_e4m3fn
+            if t.is_floating_point() and t.dtype != torch.float8_e4m3fn and "_scale_inv" not in k
             else t
             for k, t in weights.items()
         }

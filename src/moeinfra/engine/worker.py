@@ -20,17 +20,18 @@ import torch
 import torch.distributed as dist
 
 from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.device import collective_backend, resolve_device
 
 
 def agree(core: EngineCore, shutdown: bool = False, rebalance: bool = False) -> list[bool]:
     """``[any work, any prompt tokens, shutdown, rebalance]`` over the unit's ranks."""
-    flags = torch.tensor(
-        [core.has_work, core.has_work and core.has_prefill(), shutdown, rebalance],
-        dtype=torch.int64,
-    )
-    if core.comm.distributed and core.comm.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=core.comm.group)
-    return [bool(f) for f in flags.tolist()]
+    flags = [core.has_work, core.has_work and core.has_prefill(), shutdown, rebalance]
+    if not (core.comm.distributed and core.comm.world_size > 1):
+        return flags
+    # on the unit's device: NCCL reduces device tensors only
+    agreed = torch.tensor(flags, dtype=torch.int64, device=core.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=core.comm.group)
+    return [bool(f) for f in agreed.tolist()]
 
 
 def run_steps(core: EngineCore) -> Iterator[list[StepOutput]]:
@@ -61,8 +62,11 @@ def worker_main(
     from moeinfra.moe.comm import Communicator
 
     try:
+        device = resolve_device(config.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo",
+            collective_backend(device),
             init_method=init_method,
             rank=rank,
             world_size=world,

@@ -47,15 +47,18 @@ class Routed:
 
 
 def _flat_expert(expert: Expert) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in expert.parameters()])
+    """Every parameter's bytes in one uint8 tensor (parameters may differ in dtype: FP8 weights
+    beside float32 scales)."""
+    return torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in expert.parameters()])
 
 
 def _load_flat(expert: Expert, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in expert.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            size = p.numel() * p.element_size()
+            p.copy_(flat[offset : offset + size].view(p.dtype).view_as(p))
+            offset += size
 
 
 class ExpertParallelMoE(nn.Module):
@@ -148,9 +151,11 @@ class ExpertParallelMoE(nn.Module):
         rec = self.comm.recorder
         with rec.compute(f"{name}.route"):
             if self.record_load:
+                if self.load_counts.device != indices.device:  # kept where the routing runs
+                    self.load_counts = self.load_counts.to(indices.device)
                 self.load_counts += torch.bincount(
                     indices.reshape(-1), minlength=self.config.num_routed_experts
-                ).cpu()
+                )
             # Interleaved global token ids (local index * world + rank) need no exchange and differ
             # between ranks, so every rank starts each expert's replicas at a different one.
             slots = self._slots_of(indices)
@@ -219,18 +224,29 @@ class ExpertParallelMoE(nn.Module):
     def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slots' expert weights stacked for one grouped GEMM per projection:
         ``w13 [slots, H, 2I]`` (gate and up) and ``w2 [slots, I, H]``; rebuilt after a migration.
-        None where ``grouped_mm`` cannot run them (its operands need 16-byte-aligned strides)."""
+        None where ``grouped_mm`` cannot run them (its operands need 16-byte-aligned strides).
+        The experts' own weights become views of the stacks, so the weights are held once."""
         if self._stack is None:
             first = self.experts[0]
-            item = first.w1.weight.element_size()
+            weight = first.w1.weight
+            if not isinstance(first.w1, nn.Linear):
+                return None  # weights kept in another format (FP8) run expert by expert
+            item = weight.element_size()
             dims = (first.w1.in_features, first.w1.out_features)
             if not hasattr(F, "grouped_mm") or any(d * item % 16 for d in dims):
                 return None
+            if weight.device.type == "cuda" and weight.dtype != torch.bfloat16:
+                return None  # CUDA's grouped GEMM takes bfloat16 operands only
             with torch.no_grad():
                 w13 = torch.stack(
                     [torch.cat([e.w1.weight, e.w3.weight]).t() for e in self.experts]
                 ).contiguous()
                 w2 = torch.stack([e.w2.weight.t() for e in self.experts]).contiguous()
+                inter = first.w1.out_features
+                for slot, e in enumerate(self.experts):
+                    e.w1.weight.data = w13[slot, :, :inter].t()
+                    e.w3.weight.data = w13[slot, :, inter:].t()
+                    e.w2.weight.data = w2[slot].t()
             self._stack = (w13, w2)
         return self._stack
 
@@ -282,7 +298,7 @@ class ExpertParallelMoE(nn.Module):
         transfers = transfers[transfers[:, 0] == self.layer]
         ops, received = [], {}
         size = _flat_expert(self.experts[0]).numel()
-        dtype = next(self.experts[0].parameters()).dtype
+        dtype = torch.uint8
         device = next(self.experts[0].parameters()).device
         to_global = (
             (lambda r: dist.get_global_rank(self.comm.group, r))

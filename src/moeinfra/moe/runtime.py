@@ -173,9 +173,8 @@ class ExpertParallelDecoder(nn.Module):
             )
         ops = schedule(overlap, len(self.blocks))
         if micro_batches(overlap) == 1:
-            split = Split(
-                (torch.arange(x.shape[0]), torch.zeros(0, dtype=torch.int64)), (segments, [])
-            )
+            rows = torch.arange(x.shape[0], device=x.device)
+            split = Split((rows, rows[:0]), (segments, []))
         else:
             split = split_micro_batches(segments, allow_split=overlap == "prefill")
         mbs = [_MicroBatch(x[split.rows[m]], split.segments[m]) for m in range(2)]

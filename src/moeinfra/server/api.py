@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` as server-sent events,
 ``stream_options.include_usage``, ``n`` choices, ``usage.prompt_tokens_details.cached_tokens``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors have OpenAI's body
+``GET /v1/models``, vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``,
+``GET /metrics``. Errors have OpenAI's body
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request, 404 for an unknown
 model, 503 with ``Retry-After`` when the system is full. A client that disconnects aborts its
 requests on every unit.
@@ -79,6 +80,30 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (with ``add_special_tokens``, default True) or chat
+    ``messages`` (rendered by the chat template; ``add_special_tokens`` default False)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids -> their text (special tokens kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 @dataclass
 class ServerLimits:
     """``max_model_len``: prompt + output tokens per request; ``max_n``: choices per request."""
@@ -149,6 +174,8 @@ def create_app(
                 "draining": u.draining,
                 "host": u.host,
                 "pids": [r.pid for r in u.ranks],
+                "device": u.ranks[0].info.get("device") if u.ranks else None,
+                "dtype": u.ranks[0].info.get("dtype") if u.ranks else None,
             }
             for u in router.units.values()
             if u.alive
@@ -198,6 +225,47 @@ def create_app(
             "capacity": router.capacity(),
             "units": units,
         }
+
+    def _check_optional_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_optional_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            if body.continue_final_message:
+                raise APIError(
+                    400, "continue_final_message=True is not supported", "continue_final_message"
+                )
+            try:
+                text = tokenizer.apply_chat_template(body.messages, body.add_generation_prompt)
+            except Exception as err:  # a template that cannot render these messages
+                raise APIError(400, f"messages could not be rendered: {err}", "messages") from None
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tokenizer.encode(body.prompt, add_special_tokens=special)
+        return {
+            "count": len(ids),
+            "max_model_len": limits.max_model_len,
+            "tokens": ids,
+            "token_strs": [tokenizer.id_to_token(t) for t in ids]
+            if body.return_token_strs
+            else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_optional_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"token id {bad[0]} is outside 0..{tokenizer.vocab_size - 1}", "tokens"
+            )
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models():

@@ -127,6 +127,7 @@ UNIT_ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "dtype",
+    "device",
     "redundant_experts",
     "eplb_interval",
     "overlap",
@@ -285,12 +286,13 @@ def _draining_server_class():
 
 def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: EngineConfig):
     """``prompt_ids -> tokens on disk`` for the prefill balancer (files present, not read)."""
-    from moeinfra.engine.core import DTYPES
+    from moeinfra.engine.device import resolve_device, resolve_dtype
     from moeinfra.engine.registry import architecture
     from moeinfra.server.disk_cache import DiskKVCache, model_fingerprint
 
     arch = architecture(model_config.model_type, str(model_dir))
-    layout = arch.kv_layout(model_config, DTYPES[engine.dtype])
+    dtype = resolve_dtype(engine.dtype, resolve_device(engine.device))  # as the units resolve it
+    layout = arch.kv_layout(model_config, dtype)
     shape = (layout.num_layers, layout.values_per_token)
     fingerprint = model_fingerprint(
         (model_dir / "config.json").read_bytes(), layout.dtype, engine.block_size, shape

@@ -92,9 +92,10 @@ def expert_gpu_load(core):
 
     from moeinfra.eplb.plan import gpu_loads
 
-    if not core.load_window:
+    load = core.window_load()
+    if load is None:
         return None
-    load = np.sum(list(core.load_window), axis=0).astype(np.float64)
+    load = load.astype(np.float64)
     plan = core.plan
     return gpu_loads(load, plan.phy2log, plan.logcnt, plan.layout.num_gpus)
 
@@ -171,7 +172,8 @@ class RankServer:
                     "max_num_seqs": self.core.config.max_num_seqs,
                     "max_num_batched_tokens": self.core.config.max_num_batched_tokens,
                     "redundant_experts": self.core.config.redundant_experts,
-                    "dtype": self.core.config.dtype,
+                    "dtype": str(self.core.dtype).removeprefix("torch."),
+                    "device": str(self.core.device),
                     "model": config_digest(self.spec.model_dir),
                 },
             )
@@ -357,14 +359,18 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
     import torch.distributed as dist
 
     from moeinfra.engine.core import EngineCore
+    from moeinfra.engine.device import collective_backend, resolve_device
     from moeinfra.engine.worker import serve_loop
     from moeinfra.moe.comm import Communicator
 
     torch.set_num_threads(1)
     try:
+        device = resolve_device(spec.engine.device, rank - spec.first_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if spec.ranks > 1:
             dist.init_process_group(
-                "gloo",
+                collective_backend(device),
                 init_method=init_method,
                 rank=rank,
                 world_size=spec.ranks,

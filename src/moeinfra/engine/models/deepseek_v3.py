@@ -15,6 +15,7 @@ from torch import nn
 
 from moeinfra.engine.attention import mla_layout, paged_mla_attention
 from moeinfra.engine.checkpoint import CheckpointReader
+from moeinfra.engine.fp8 import Fp8Linear
 from moeinfra.engine.hf_config import ModelConfig, parse_config
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
 from moeinfra.engine.lm_head import LMHead
@@ -134,18 +135,50 @@ def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
     return mla_layout(config.block, config.num_layers, dtype)
 
 
-def _load_module(module: nn.Module, reader: CheckpointReader, names: dict[str, str], prefix: str):
+def _load_module(
+    module: nn.Module,
+    reader: CheckpointReader,
+    names: dict[str, str],
+    prefix: str,
+    keep_fp8: bool = False,
+):
+    """Copy checkpoint tensors ``prefix + hf_name`` into ``module``'s ``ours`` parameters; with
+    ``keep_fp8``, a linear layer stored in FP8 becomes an :class:`Fp8Linear` holding it as stored."""
     params = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     for hf_name, ours in names.items():
         target = params[ours]
+        # wkv_b is only read as the absorbed per-head matrices, dequantised once here (as vLLM
+        # keeps W_UK and W_UV), never as a GEMM over activations
+        fp8_gemm = keep_fp8 and not hf_name.endswith("kv_b_proj.weight")
+        stored = reader.fp8(prefix + hf_name) if fp8_gemm else None
+        if stored is not None and ours.endswith(".weight"):
+            path = ours.removesuffix(".weight")
+            parent, _, leaf = path.rpartition(".")
+            owner = module.get_submodule(parent) if parent else module
+            if tuple(stored[0].shape) != tuple(target.shape):
+                reader.get(prefix + hf_name, tuple(target.shape))  # raises, naming both shapes
+            setattr(owner, leaf, Fp8Linear(*stored))
+            continue
         with torch.no_grad():
             target.copy_(reader.get(prefix + hf_name, tuple(target.shape), target.dtype))
 
 
-def _expert(block: MoEConfig, size: int, reader, prefix: str, dtype) -> Expert:
+def _to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model.to(dtype)`` except FP8 layers, which keep their stored dtypes."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            continue
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None and t.is_floating_point() and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
+    return model
+
+
+def _expert(block: MoEConfig, size: int, reader, prefix: str, dtype, keep_fp8: bool) -> Expert:
     module = Expert(block.hidden_size, size).to(dtype)
-    _load_module(module, reader, _SWIGLU, prefix)
+    _load_module(module, reader, _SWIGLU, prefix, keep_fp8)
     return module
 
 
@@ -155,8 +188,11 @@ def load(
     plan: Plan,
     comm: Communicator,
     dtype: torch.dtype = torch.float32,
+    keep_fp8: bool = False,
 ) -> DeepseekV3:
-    """Build this rank's model from ``reader``: only the routed experts ``plan`` gives the rank."""
+    """Build this rank's model from ``reader``: only the routed experts ``plan`` gives the rank.
+    ``keep_fp8``: projections stored in FP8 stay FP8 (:class:`Fp8Linear`), else are dequantised
+    to ``dtype``."""
     block = config.block
     if plan.num_layers != config.num_moe_layers:
         raise ValueError(
@@ -176,25 +212,27 @@ def load(
                 reader,
                 prefix + "shared_experts.",
                 dtype,
+                keep_fp8,
             )
             if block.num_shared_experts
             else None
         )
         experts = {
-            e: _expert(block, block.moe_intermediate_size, reader, f"{prefix}experts.{e}.", dtype)
+            e: _expert(
+                block, block.moe_intermediate_size, reader, f"{prefix}experts.{e}.", dtype, keep_fp8
+            )
             for e in rank_experts(plan, j, comm.rank)
         }
         moe_layers.append(
             ExpertParallelMoE.from_experts(block, gate, shared, experts, plan, j, comm)
         )
-    model = DeepseekV3(config, plan, comm, moe_layers).to(dtype)
+    model = _to_dtype(DeepseekV3(config, plan, comm, moe_layers), dtype)
     for i, dense in enumerate(model.dense):
         names = dict(_ATTENTION) | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
-        _load_module(dense, reader, names, f"model.layers.{i}.")
+        _load_module(dense, reader, names, f"model.layers.{i}.", keep_fp8)
     for j, moe_block in enumerate(model.moe_blocks):
-        _load_module(
-            moe_block, reader, _ATTENTION, f"model.layers.{config.first_k_dense_replace + j}."
-        )
+        layer = config.first_k_dense_replace + j
+        _load_module(moe_block, reader, _ATTENTION, f"model.layers.{layer}.", keep_fp8)
     _load_module(
         model,
         reader,

@@ -1,0 +1,95 @@
+"""Device placement and FP8 weights, on whatever this machine has (CI: the CPU only).
+
+The CUDA side of the same promises is in ``test_cuda.py`` (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeinfra.engine import LLM, EngineConfig, SamplingParams
+from moeinfra.engine.device import collective_backend, keeps_fp8, resolve_device, resolve_dtype
+from moeinfra.engine.fp8 import Fp8Linear, dequantize, fp8_kernel, quantize
+from moeinfra.engine.tiny import init_tiny
+from moeinfra.errors import InputError
+
+from .conftest import MAX_TOKENS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def test_device_dtype_and_backend_resolve_as_documented():
+    cpu = torch.device("cpu")
+    assert resolve_device("cpu") == cpu
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert collective_backend(cpu) == "gloo"
+    assert collective_backend(torch.device("cuda", 1)) == "nccl"
+    assert (
+        not keeps_fp8("auto", cpu) and keeps_fp8("keep", cpu) and not keeps_fp8("dequantize", cpu)
+    )
+    for bad, allowed in (("gpu", "auto, cpu, cuda or cuda:N"), ("cuda:x", "cuda:N")):
+        with pytest.raises(InputError, match=rf"device='{bad}' is not allowed; use .*{allowed}"):
+            EngineConfig(device=bad)
+    with pytest.raises(InputError, match="fp8_weights='fp4' is not allowed"):
+        EngineConfig(fp8_weights="fp4")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer where there is no GPU")
+def test_auto_is_the_cpu_in_float32_and_cuda_is_refused_clearly(tiny_path):
+    assert resolve_device("auto") == torch.device("cpu")
+    llm = LLM(tiny_path)
+    assert llm._core.device == torch.device("cpu") and llm._core.dtype == torch.float32
+    assert llm._core.cache.data.device.type == "cpu"
+    with pytest.raises(InputError, match="device='cuda': torch sees no CUDA GPU here"):
+        LLM(tiny_path, device="cuda")
+
+
+def test_fp8_linear_dequantises_exactly_what_the_loader_would():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g) * 0.05
+    q, scale = quantize(w)
+    layer = Fp8Linear(q, scale)
+    assert (
+        layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.dtype == torch.float32
+    )
+    x = torch.randn(5, 384, generator=g)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, dequantize(q, scale)))
+    assert layer(x[None]).shape == (1, 5, 256)
+    assert fp8_kernel(torch.device("cpu")) == "dequantize"
+    with pytest.raises(InputError, match=r"weight_scale_inv has shape \(1, 3\).*needs \(2, 3\)"):
+        Fp8Linear(q, scale[:1])
+
+
+@pytest.fixture(scope="module")
+def fp8_path(tmp_path_factory):
+    return init_tiny(tmp_path_factory.mktemp("fp8") / "tiny-fp8", tokenizer="bpe", fp8=True)
+
+
+def test_fp8_kept_in_fp8_generates_what_the_dequantised_checkpoint_does(fp8_path, prompt_ids):
+    kept = LLM(fp8_path, fp8_weights="keep")
+    model = kept._core.model
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    # every decoder projection the checkpoint stores in FP8: 4 MLA projections x 3 layers (wkv_b
+    # is dequantised: it is only used absorbed), the dense MLP's 3, and per MoE layer the shared
+    # expert's 3 and 16 routed experts' 3
+    assert len(fp8) == 4 * 3 + 3 + 2 * (3 + 16 * 3)
+    assert {m.weight.dtype for m in fp8} == {torch.float8_e4m3fn}
+    assert model.lm_head.weight.dtype == torch.float32  # kept as DeepSeek ships it
+    plain = LLM(fp8_path, fp8_weights="dequantize")
+    assert not any(isinstance(m, Fp8Linear) for m in plain._core.model.modules())
+    ours = [o.outputs[0].token_ids for o in kept.generate(prompt_ids, GREEDY, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_ids, GREEDY, use_tqdm=False)]
+    assert ours == ref
+
+
+@pytest.mark.timeout(240)
+def test_fp8_experts_migrate_live_between_ranks(fp8_path, prompt_ids):
+    """Live rebalancing moves FP8 expert weights and their float32 scales as bytes."""
+    one = LLM(fp8_path, fp8_weights="keep")
+    ref = [o.outputs[0].token_ids for o in one.generate(prompt_ids, GREEDY, use_tqdm=False)]
+    options = {"redundant_experts": 2, "eplb_interval": 2, "eplb_window": 3}
+    with LLM(fp8_path, ranks=2, fp8_weights="keep", timeout_s=180, **options) as llm:
+        outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == ref
