@@ -123,11 +123,13 @@ def run_moeinfra(path: Path, concurrency: list[int], reps: int, device: str, **o
     return out
 
 
-def run_transformers(path: Path, concurrency: list[int], reps: int, device: str) -> dict:
+def run_transformers(
+    path: Path, concurrency: list[int], reps: int, device: str, dtype: torch.dtype | None = None
+) -> dict:
     import transformers
 
     began = time.perf_counter()
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
     model.eval()
     out = {"load_s": time.perf_counter() - began, "by_concurrency": {}}
@@ -213,7 +215,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip what starts later")
-    parser.add_argument("--skip", nargs="*", default=[], help="moeinfra, transformers, vllm, fp8")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="moeinfra, transformers, vllm, float32, fp8"
+    )
+    parser.add_argument("--fp8-concurrency", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
     began = time.perf_counter()
     from moeinfra.engine.tiny import init_tiny
@@ -267,12 +272,26 @@ def main() -> None:
         report["greedy_agreement_with_transformers"] = agreement(
             report["moeinfra"], report["transformers"]
         )
+    if not over_budget("float32"):
+        # the same checkpoint in float32 on both sides: greedy tokens should agree (bfloat16's
+        # rounding flips near-ties on a random-weight model)
+        try:
+            ours = run_moeinfra(path, [8], 1, args.device, dtype="float32")
+            theirs = run_transformers(path, [8], 1, args.device, torch.float32)
+            report["greedy_agreement_float32"] = agreement(ours, theirs)
+            report["float32_tokens_per_s"] = {
+                "moeinfra": ours["by_concurrency"][8]["tokens_per_s"],
+                "transformers": theirs["by_concurrency"][8]["tokens_per_s"],
+            }
+        except Exception as err:
+            report["greedy_agreement_float32"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+        save()
     if not over_budget("fp8"):
         t = time.perf_counter()
         fp8 = init_tiny(root / "fp8", config=SHAPES[args.shape], dtype=dtype, fp8=True, shards=4)
         report["fp8_checkpoint_s"] = time.perf_counter() - t
         try:
-            report["moeinfra_fp8"] = run_moeinfra(fp8, args.concurrency, args.reps, args.device)
+            report["moeinfra_fp8"] = run_moeinfra(fp8, args.fp8_concurrency, 1, args.device)
         except Exception as err:
             report["moeinfra_fp8"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     for name in ("moeinfra", "transformers", "vllm", "moeinfra_fp8"):

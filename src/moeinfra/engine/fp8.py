@@ -56,10 +56,11 @@ class Fp8Linear(nn.Module):
 
     ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype. On a GPU whose ``torch._scaled_mm``
     takes DeepSeek's block scales (CUDA 12.9+ on sm90: activations quantised per token and
-    128-wide group, as DeepSeek's ``act_quant``), the product runs in FP8 on the tensor cores; the
-    first call checks that kernel against the dequantised product and keeps it only if it agrees.
-    Elsewhere (the CPU, other GPUs, shapes not in 128-multiples) the weight is dequantised for the
-    call: the same numbers as a checkpoint dequantised at load, half the memory held.
+    128-wide group, as DeepSeek's ``act_quant``), the product runs in FP8 on the tensor cores. The
+    first product of every weight shape on a device is checked against the dequantised product
+    (relative error below :data:`AGREEMENT`); a shape that fails, or raises, is dequantised from
+    then on. Elsewhere (the CPU, other GPUs, shapes not in 128-multiples) the weight is dequantised
+    for the call: the same numbers as a checkpoint dequantised at load, half the memory held.
     """
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
@@ -86,18 +87,21 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype))
 
 
-# per CUDA device: whether torch._scaled_mm ran DeepSeek's block scaling correctly there, and why
-# not when it failed at once
-_SCALED_MM_OK: dict[torch.device, bool] = {}
-_SCALED_MM_ERRORS: dict[torch.device, str] = {}
+# (device, in_features, out_features) -> whether torch._scaled_mm with DeepSeek's block scales
+# agreed with the dequantised product there; why not, where it raised
+_SCALED_MM_OK: dict[tuple[torch.device, int, int], bool] = {}
+_SCALED_MM_ERRORS: dict[tuple[torch.device, int, int], str] = {}
 ROW_ALIGN = 16
+# relative error (Frobenius) allowed between the FP8 product and the dequantised one: the FP8
+# product also rounds the activations to 3 mantissa bits (~2-4% relative)
+AGREEMENT = 0.08
 
 
 def _scaled_mm_usable(layer: Fp8Linear, x: torch.Tensor) -> bool:
     return (
         x.device.type == "cuda"
         and x.dtype in (torch.bfloat16, torch.float32)
-        and _SCALED_MM_OK.get(x.device, True)
+        and _SCALED_MM_OK.get((x.device, layer.in_features, layer.out_features), True)
         and hasattr(torch, "_scaled_mm")
         and layer.in_features % BLOCK == 0
         and layer.out_features % BLOCK == 0
@@ -116,13 +120,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor):
     """``x [M, K] @ dequant(weight)^T`` in FP8 by ``torch._scaled_mm`` with 1x128 activation and
-    128x128 weight scales (the 1x128 scales passed outer-dim-major, as cuBLAS wants them)."""
+    128x128 weight scales. cuBLAS wants the 1x128 scales outer-dim-major and the 128x128 ones
+    K-major with ``ceil(K/128)`` padded to a multiple of 4."""
     rows = x.shape[0]
-    padded = -(-rows // ROW_ALIGN) * ROW_ALIGN  # cuBLAS wants aligned row counts: pad with zeros
+    padded = -(-rows // ROW_ALIGN) * ROW_ALIGN  # aligned row counts: pad with zeros
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
     x_fp8, x_scale = quantize_activations(x)
     x_scale = x_scale.t().contiguous().t()
+    blocks_k = scale_inv.shape[1]
+    if blocks_k % 4:
+        scale_inv = F.pad(scale_inv, (0, 4 - blocks_k % 4))
     out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
     out = torch._scaled_mm(
         x_fp8, weight.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=out_dtype
@@ -131,29 +139,33 @@ def scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.
 
 
 def _scaled_mm_checked(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
-    device = x.device
+    key = (x.device, layer.in_features, layer.out_features)
     try:
         out = scaled_mm_blockwise(x, layer.weight, layer.weight_scale_inv)
     except (RuntimeError, ValueError, TypeError) as err:
-        if device not in _SCALED_MM_OK:  # never worked here: do not try again
-            _SCALED_MM_OK[device] = False
-            _SCALED_MM_ERRORS[device] = f"{type(err).__name__}: {err}"[:500]
+        if key not in _SCALED_MM_OK:  # never worked for this shape: do not try again
+            _SCALED_MM_OK[key] = False
+            _SCALED_MM_ERRORS[key] = f"{type(err).__name__}: {err}"[:300]
         return None
-    if device not in _SCALED_MM_OK:
+    if key not in _SCALED_MM_OK:
         reference = F.linear(x.float(), layer.dequantized(torch.float32))
-        agree = F.cosine_similarity(out.float().flatten(), reference.flatten(), dim=0)
-        _SCALED_MM_OK[device] = bool(agree > 0.99)
-        if not _SCALED_MM_OK[device]:
+        error = (out.float() - reference).norm() / reference.norm().clamp(min=1e-30)
+        _SCALED_MM_OK[key] = bool(error < AGREEMENT)
+        if not _SCALED_MM_OK[key]:
+            _SCALED_MM_ERRORS[key] = f"relative error {float(error):.3g}"
             return None
     return out
 
 
 def fp8_kernel(device: torch.device) -> str:
-    """Which FP8 product ran on ``device``: ``scaled_mm`` (tensor cores), ``dequantize`` (the
-    weight dequantised per call) or ``untried``."""
-    if device not in _SCALED_MM_OK:
+    """Which FP8 product ran on ``device``: ``scaled_mm`` (tensor cores, every weight shape),
+    ``dequantize`` (the weight dequantised per call; why, per shape) or both, or ``untried``."""
+    shapes = {k: ok for k, ok in _SCALED_MM_OK.items() if k[0] == device}
+    if not shapes:
         return "untried" if device.type == "cuda" else "dequantize"
-    if _SCALED_MM_OK[device]:
-        return "scaled_mm"
-    reason = _SCALED_MM_ERRORS.get(device)
-    return f"dequantize ({reason})" if reason else "dequantize (scaled_mm disagreed)"
+    bad = [f"{k[1]}x{k[2]}: {_SCALED_MM_ERRORS.get(k, '')}" for k, ok in shapes.items() if not ok]
+    good = len(shapes) - len(bad)
+    if not bad:
+        return f"scaled_mm ({good} weight shapes)"
+    head = f"scaled_mm ({good} weight shapes), " if good else ""
+    return head + f"dequantize ({'; '.join(bad)})"

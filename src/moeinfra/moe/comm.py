@@ -118,12 +118,13 @@ class Communicator:
         [world * slots]`` rows per global slot. ``wait()`` gives the received rows (by source rank,
         then slot) and the received counts ``[world * slots]`` (source-major)."""
         pending = Pending(self, name)
-        slots = slot_counts.numel() // self.world_size
-        send_splits = slot_counts.view(self.world_size, slots).sum(1).tolist()
         if self.world_size == 1:  # nothing is sent: the caller's rows are the received rows
             pending._started = _done((None, send, slot_counts))
             pending._mark_done()
             return pending
+
+        slots = slot_counts.numel() // self.world_size
+        send_splits = slot_counts.view(self.world_size, slots).sum(1).tolist()
 
         def task():
             start = time.perf_counter()

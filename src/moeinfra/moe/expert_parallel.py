@@ -162,7 +162,10 @@ class ExpertParallelMoE(nn.Module):
             order = torch.argsort(slots, stable=True)
             slot_counts = torch.bincount(slots, minlength=world * s)
         with rec.compute(f"{name}.pack"):
-            send_splits = slot_counts.view(world, s).sum(1).tolist()
+            # one rank sends everything to itself: no host round trip for the split
+            send_splits = (
+                [order.numel()] if world == 1 else slot_counts.view(world, s).sum(1).tolist()
+            )
             rows = x[order // top_k]
         pending = self.comm.dispatch(rows, slot_counts, name)
         return Routed(order, weights, send_splits, pending, name)
@@ -189,7 +192,7 @@ class ExpertParallelMoE(nn.Module):
         rows, recv_counts = routed.pending.wait()
         world, s = self.comm.world_size, self.slots_per_rank
         recv_counts = recv_counts.view(world, s)
-        routed.recv_splits = recv_counts.sum(1).tolist()
+        routed.recv_splits = [rows.shape[0]] if world == 1 else recv_counts.sum(1).tolist()
         counts = recv_counts.sum(0)
         if world == 1:  # rows arrive sorted by slot already
             by_slot = None
