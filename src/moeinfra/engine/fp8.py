@@ -92,6 +92,10 @@ class Fp8Linear(nn.Module):
 _SCALED_MM_OK: dict[tuple[torch.device, int, int], bool] = {}
 _SCALED_MM_ERRORS: dict[tuple[torch.device, int, int], str] = {}
 ROW_ALIGN = 16
+# cuBLAS reads 128x128 scales K-major in rows of a multiple of 4 blocks; torch._scaled_mm (2.11)
+# refuses scales padded to that, so only weights with in_features a multiple of 512 qualify
+# (measured on an H200: 256 and 768 raise "Invalid scaling configuration")
+SCALE_ALIGN = 4
 # relative error (Frobenius) allowed between the FP8 product and the dequantised one: the FP8
 # product also rounds the activations to 3 mantissa bits (~2-4% relative)
 AGREEMENT = 0.08
@@ -103,7 +107,7 @@ def _scaled_mm_usable(layer: Fp8Linear, x: torch.Tensor) -> bool:
         and x.dtype in (torch.bfloat16, torch.float32)
         and _SCALED_MM_OK.get((x.device, layer.in_features, layer.out_features), True)
         and hasattr(torch, "_scaled_mm")
-        and layer.in_features % BLOCK == 0
+        and layer.in_features % (BLOCK * SCALE_ALIGN) == 0
         and layer.out_features % BLOCK == 0
         and x.shape[0] > 0
     )
@@ -120,17 +124,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor):
     """``x [M, K] @ dequant(weight)^T`` in FP8 by ``torch._scaled_mm`` with 1x128 activation and
-    128x128 weight scales. cuBLAS wants the 1x128 scales outer-dim-major and the 128x128 ones
-    K-major with ``ceil(K/128)`` padded to a multiple of 4."""
+    128x128 weight scales (cuBLAS wants the 1x128 scales outer-dim-major, the 128x128 ones K-major;
+    ``K`` a multiple of 512, see :data:`SCALE_ALIGN`)."""
     rows = x.shape[0]
     padded = -(-rows // ROW_ALIGN) * ROW_ALIGN  # aligned row counts: pad with zeros
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
     x_fp8, x_scale = quantize_activations(x)
     x_scale = x_scale.t().contiguous().t()
-    blocks_k = scale_inv.shape[1]
-    if blocks_k % 4:
-        scale_inv = F.pad(scale_inv, (0, 4 - blocks_k % 4))
     out_dtype = x.dtype if x.dtype == torch.bfloat16 else torch.float32
     out = torch._scaled_mm(
         x_fp8, weight.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=out_dtype
