@@ -55,6 +55,26 @@ def test_logits_match_transformers_prefill_and_decode(tiny_path, hf_model, promp
     assert ref.abs().max() > 5  # the comparison is not between near-zero logits
 
 
+def test_long_prompt_chunks_attend_expanded_and_match_transformers(tiny_path, hf_model):
+    """A prompt chunk past the threshold attends with per-head keys and values (the prefill path);
+    its logits match transformers as the absorbed decode path's do."""
+    from moeinfra.engine.attention import expanded_attention_threshold
+
+    arch, config, model = _model(tiny_path)
+    threshold = expanded_attention_threshold(model.dense[0].attn)
+    ids = [(7 * i) % 1000 + 3 for i in range(150)]
+    assert len(ids) > threshold > 1
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 64, 4)
+    step = StepCache(cache, {0: StepCache.slots_of(list(range(40)), 4)})
+    # a first chunk of 40 (absorbed) then one of 110 (expanded) reading the first from the cache
+    first = model(torch.tensor(ids[:40]), [Segment(0, 0, 40)], step, "none")
+    rest = model(torch.tensor(ids[40:]), [Segment(0, 40, 110)], step, "none")
+    ours = model.logits(torch.cat([first, rest]))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() < LOGIT_TOL
+
+
 def _check(outputs, reference, prompt_ids):
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
     for o, ref in zip(outputs, reference, strict=True):

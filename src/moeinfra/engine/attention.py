@@ -2,8 +2,10 @@
 
 A step's tokens arrive as segments (a run of consecutive positions of one sequence). Their latents are
 written to the sequence's cache slots first, then each query attends to every cached position up to its
-own: decode segments (one token each) are batched into one padded gather, longer segments (prefill
-chunks) are attended one by one. Which slots to write and gather depends only on the segments, so it
+own: decode segments (one token each) are batched into one padded gather in the absorbed form; longer
+segments (prefill chunks) are attended one by one, a long one with per-head keys and values expanded
+from its context (:func:`expanded_attention`, cheaper than the absorbed form past
+:func:`expanded_attention_threshold` queries). Which slots to write and gather depends only on the segments, so it
 is worked out once per step and micro-batch (:class:`AttentionPlan`) and shared by every layer. The
 math is :func:`moeinfra.moe.mla.latent_attention` (absorbed form).
 """
@@ -100,6 +102,41 @@ def paged_mla_attention(
         rows = plan.decode_rows
         out[rows] = latent_attention(mla, query[rows], ctx, plan.decode_mask)[:, 0]
     for rows, context, mask in plan.chunks:
-        ctx = store[context].to(query.dtype)[None]
-        out[rows] = latent_attention(mla, query[rows], ctx, mask)[0]
+        ctx = store[context].to(query.dtype)
+        if rows.numel() > expanded_attention_threshold(mla):
+            out[rows] = expanded_attention(mla, latent, rows, ctx, mask[0])
+        else:
+            out[rows] = latent_attention(mla, query[rows], ctx[None], mask)[0]
     return out
+
+
+def expanded_attention_threshold(mla: MLA) -> float:
+    """Queries of a chunk above which attending with per-head keys and values (``wkv_b`` applied
+    to the chunk's context, vLLM's and SGLang's prefill path) costs fewer multiply-adds than the
+    absorbed form: expanding costs ``kv_lora_rank * heads * (qk_nope + v)`` per key once, and
+    saves ``heads * (2 kv_lora_rank - qk_nope - v)`` per query-key pair (64 queries for the tiny
+    model's widths, 171 for DeepSeek-V3's)."""
+    c = mla.config
+    saved = 2 * c.kv_lora_rank - c.qk_nope_head_dim - c.v_head_dim
+    if saved <= 0:
+        return float("inf")
+    return c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) / saved
+
+
+def expanded_attention(
+    mla: MLA, latent: Latent, rows: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention output ``[n, H]`` of the queries ``rows [n]`` over the cache entries
+    ``ctx [m, kv_lora_rank + qk_rope_head_dim]``, with keys and values expanded per head by
+    ``wkv_b`` and ``mask [n, m]`` True where a query may attend. The same function as the
+    absorbed form, summed in another order."""
+    c, heads, m = mla.config, mla.heads, ctx.shape[0]
+    rank = c.kv_lora_rank
+    kv = mla.wkv_b(ctx[:, :rank]).view(m, heads, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, ctx[:, None, rank:].expand(m, heads, c.qk_rope_head_dim)], dim=-1)
+    q = torch.cat([latent.q_nope[rows], latent.q_pe[rows]], dim=-1)
+    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).mul_(mla.scale)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs, v.transpose(0, 1))
+    return mla.wo(out.transpose(0, 1).flatten(1))

@@ -26,7 +26,7 @@ from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator, Pending
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
-from moeinfra.moe.layers import Expert, MoE, combine_pairs
+from moeinfra.moe.layers import Expert, MoE, combine_pairs, linear
 
 
 @dataclass
@@ -204,10 +204,20 @@ class ExpertParallelMoE(nn.Module):
         stacked = self._stacked_weights()
         if stacked is not None:
             w13, w2 = stacked
-            ends = counts.cumsum(0).to(torch.int32)
             sorted_rows = rows if by_slot is None else rows[by_slot]
-            gate, up = F.grouped_mm(sorted_rows, w13, offs=ends).chunk(2, dim=-1)
-            done = F.grouped_mm(F.silu(gate) * up, w2, offs=ends)
+            if _per_slot_gemms(sorted_rows, s):
+                done = torch.empty_like(sorted_rows)
+                start = 0
+                for slot, count in enumerate(counts.tolist()):
+                    if count:
+                        part = sorted_rows[start : start + count]
+                        gate, up = linear(part, w13[slot]).chunk(2, dim=-1)
+                        done[start : start + count] = linear(F.silu(gate) * up, w2[slot])
+                        start += count
+            else:
+                ends = counts.cumsum(0).to(torch.int32)
+                gate, up = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends).chunk(2, -1)
+                done = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
             if by_slot is None:
                 return done
             out = torch.empty_like(rows)
@@ -225,8 +235,9 @@ class ExpertParallelMoE(nn.Module):
         return out
 
     def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The slots' expert weights stacked for one grouped GEMM per projection:
-        ``w13 [slots, H, 2I]`` (gate and up) and ``w2 [slots, I, H]``; rebuilt after a migration.
+        """The slots' expert weights stacked for one grouped GEMM per projection, each slot's in
+        the ``[out, in]`` layout of a linear weight: ``w13 [slots, 2I, H]`` (gate and up) and
+        ``w2 [slots, H, I]``; rebuilt after a migration.
         None where ``grouped_mm`` cannot run them (its operands need 16-byte-aligned strides).
         The experts' own weights become views of the stacks, so the weights are held once."""
         if self._stack is None:
@@ -241,15 +252,13 @@ class ExpertParallelMoE(nn.Module):
             if weight.device.type == "cuda" and weight.dtype != torch.bfloat16:
                 return None  # CUDA's grouped GEMM takes bfloat16 operands only
             with torch.no_grad():
-                w13 = torch.stack(
-                    [torch.cat([e.w1.weight, e.w3.weight]).t() for e in self.experts]
-                ).contiguous()
-                w2 = torch.stack([e.w2.weight.t() for e in self.experts]).contiguous()
+                w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts])
+                w2 = torch.stack([e.w2.weight for e in self.experts])
                 inter = first.w1.out_features
                 for slot, e in enumerate(self.experts):
-                    e.w1.weight.data = w13[slot, :, :inter].t()
-                    e.w3.weight.data = w13[slot, :, inter:].t()
-                    e.w2.weight.data = w2[slot].t()
+                    e.w1.weight.data = w13[slot, :inter]
+                    e.w3.weight.data = w13[slot, inter:]
+                    e.w2.weight.data = w2[slot]
             self._stack = (w13, w2)
         return self._stack
 
@@ -347,6 +356,19 @@ class ExpertParallelMoE(nn.Module):
         self._stack = self._slot_table = None
         self.plan = new_plan
         return len(received)
+
+
+# Rows per expert slot from which a float32 CPU batch runs one oneDNN GEMM per slot instead of
+# torch's grouped GEMM (MKL per group): 4.9 vs 10.3 ms for 4,096 rows over 32 slots, 2 threads.
+PER_SLOT_GEMM_ROWS = 64
+
+
+def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype == torch.float32
+        and rows.shape[0] >= PER_SLOT_GEMM_ROWS * slots
+    )
 
 
 def _distinct(modules: list[Expert]) -> list[Expert]:

@@ -70,7 +70,7 @@ def combine_pairs(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Te
     ``pair_outputs [T, k, H]`` expert outputs, ``weights [T, k]`` -> ``[T, H]``. One fixed
     reduction order, shared by the reference and the expert-parallel layer.
     """
-    return (pair_outputs * weights.unsqueeze(-1).to(pair_outputs.dtype)).sum(dim=1)
+    return torch.bmm(weights.unsqueeze(1).to(pair_outputs.dtype), pair_outputs).squeeze(1)
 
 
 class MoE(nn.Module):

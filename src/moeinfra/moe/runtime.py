@@ -182,12 +182,15 @@ class ExpertParallelDecoder(nn.Module):
         # One cache per layer, shared by the micro-batches: a split sequence's suffix reads its prefix.
         if caches is None:
             caches = [KVCache() for _ in self.blocks]
+        blocks, moe = list(self.blocks), list(self.moe)
+        label = "op"  # named only for a recorder that keeps them
         for op in ops:
             mb, layer = mbs[op.micro_batch], op.layer
-            block, ep = self.blocks[layer], self.moe[layer]
-            label = f"{op.kind}(mb{op.micro_batch}) L{layer}"
+            block, ep = blocks[layer], moe[layer]
+            if rec.enabled:
+                label = f"{op.kind}(mb{op.micro_batch}) L{layer}"
             if op.kind in ("ATTN", "ATTN0"):
-                self._finish_layer(mb, ep_prev=self.moe[layer - 1] if layer else None, label=label)
+                self._finish_layer(mb, ep_prev=moe[layer - 1] if layer else None, label=label)
                 with rec.compute(label):
                     mb.projected = block.attn0(mb.x, mb.segments)
                     if op.kind == "ATTN":
@@ -207,7 +210,7 @@ class ExpertParallelDecoder(nn.Module):
             elif op.kind == "COMBINE":
                 mb.combine = ep.combine(mb.routed, mb.expert_out, name=label)
         for m, mb in enumerate(mbs):
-            self._finish_layer(mb, ep_prev=self.moe[-1], label=f"OUT(mb{m})")
+            self._finish_layer(mb, ep_prev=moe[-1], label=f"OUT(mb{m})")
         out = torch.empty_like(x)
         for m in range(2):
             out[split.rows[m]] = mbs[m].x

@@ -21,6 +21,7 @@ pipeline's fill and drain), followed by the exchange that op enables.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from moeinfra.errors import InputError
@@ -59,8 +60,13 @@ _PATTERNS = {
 _ISSUES = {"ATTN": "DISPATCH", "ATTN1": "DISPATCH", "MLP": "COMBINE"}
 
 
-def schedule(mode: str, num_layers: int) -> list[Op]:
+@functools.cache
+def schedule(mode: str, num_layers: int) -> tuple[Op, ...]:
     """The op order of ``mode`` for ``num_layers`` layers (same on every rank)."""
+    return tuple(_schedule(mode, num_layers))
+
+
+def _schedule(mode: str, num_layers: int) -> list[Op]:
     if mode not in MODES:
         raise InputError(f"overlap={mode!r} is not allowed; use one of {', '.join(MODES)}")
     if num_layers < 1:

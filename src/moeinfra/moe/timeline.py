@@ -21,6 +21,9 @@ COMPUTE_TRACK, COMM_TRACK = 0, 1
 TRACK_NAMES = {COMPUTE_TRACK: "compute", COMM_TRACK: "communication"}
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 @dataclass
 class Recorder:
     """Collects ``(name, track, start_s, end_s)`` intervals of one rank; disabled ones record nothing."""
@@ -29,12 +32,14 @@ class Recorder:
     enabled: bool = True
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
 
-    @contextlib.contextmanager
-    def compute(self, name: str) -> Iterator[None]:
+    def compute(self, name: str) -> contextlib.AbstractContextManager:
         """Record the enclosed code as a compute interval named ``name``."""
         if not self.enabled:
-            yield
-            return
+            return _NOTHING
+        return self._interval(name)
+
+    @contextlib.contextmanager
+    def _interval(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
