@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
     folder = Path(tempfile.mkdtemp())
-    args = ["--block-size", "16", "--num-kv-blocks", "512", "--kv-cache-dir", str(folder / "kv")]
+    args = ["--block-size", "16", "--num-kv-blocks", "512", "--kv-cache-dir", str(folder / "kv"),
+            "--prefill-units", "1", "--prefill-ranks", "2", "--decode-units", "1",
+            "--decode-ranks", "2"]  # fmt: skip
     with ServerProcess(args) as server:
         calibration = calibrate_live(server.url)
         trace = b.synthetic_trace(folder / "trace.jsonl", opts.requests, opts.rate, seed=opts.seed)

@@ -160,7 +160,8 @@ def main() -> None:
             ("tiny, test tokenizer (512)", small),
         ):
             rates, errors = [], 0
-            with ServerProcess(["--model", str(model), *FLAGS, "--noop-model"]) as server:
+            layout = ["--prefill-units", "1", "--decode-units", "1"]  # the disaggregated system
+            with ServerProcess(["--model", str(model), *layout, *FLAGS, "--noop-model"]) as server:
                 warm = [b.BenchRequest(0.0, p, 16) for p in prompts(8, 64, 7)]
                 asyncio.run(b.replay(server.url, warm))
                 for rep in range(3):

@@ -61,7 +61,7 @@ def test_live_server_scales_decode_out_and_back_in(tiny_bpe):
             "--model", str(tiny_bpe), "--prefill-ranks", "1", "--decode-ranks", "1",
             "--block-size", "16", "--num-kv-blocks", "256", "--max-num-seqs", "8",
             "--autoscale", "--max-prefill-units", "1", "--max-decode-units", "2",
-            "--autoscale-interval", "1.5s", "--autoscale-target", "0.3",
+            "--autoscale-interval", "1.5s", "--autoscale-target", "0.1",
         ]
     )  # fmt: skip
     try:

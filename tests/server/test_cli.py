@@ -60,3 +60,18 @@ def test_a_unit_command_passes_the_comm_delay_with_its_unit(tmp_path):
     cmd = unit_command("decode", 1, "tcp://127.0.0.1:1", ServeOptions(comm_delay_s=2e-3), tmp_path)
     value = cmd[cmd.index("--comm-delay") + 1]
     assert value == "0.002s" and parse_duration_s(value, "--comm-delay") == 2e-3
+
+
+def test_default_layout_gives_each_rank_a_core_or_falls_back_to_one_colocated_rank(monkeypatch):
+    """``serve up`` without a layout: 1 prefill + 1 decode unit of 2 ranks where the machine has
+    a core per rank and one for the API server (CPU), else one colocated unit of one rank."""
+    from moeinfra.server import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 16)
+    assert launch.default_layout("cpu") == launch.DISAGGREGATED
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
+    layout = launch.default_layout("cpu")
+    assert layout == launch.ONE_COLOCATED_RANK
+    options = launch.ServeOptions(**layout)
+    assert (options.prefill_units, options.decode_units, options.colocated_units) == (0, 0, 1)
+    assert options.colocated_ranks == 1

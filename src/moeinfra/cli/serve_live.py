@@ -83,16 +83,24 @@ def register(app: typer.Typer) -> None:
         model: Path | None = _MODEL,
         host: str = typer.Option("127.0.0.1", "--host", help="HTTP address to listen on."),
         port: int = typer.Option(8000, "--port", help="HTTP port (0: any free port)."),
-        prefill_units: int = typer.Option(1, "--prefill-units"),
-        prefill_ranks: int = typer.Option(
-            2, "--prefill-ranks", help="Ranks (EP) per prefill unit."
+        prefill_units: int | None = typer.Option(
+            None,
+            "--prefill-units",
+            help="Prefill units. Without any layout option: 1 prefill + 1 decode unit of 2 ranks "
+            "where the machine has a core (or GPU) per rank and one for the API server, else "
+            "1 colocated unit of 1 rank. Given some, the others default to 1 / 2 / 1 / 2 / 0 / 2.",
         ),
-        decode_units: int = typer.Option(1, "--decode-units"),
-        decode_ranks: int = typer.Option(2, "--decode-ranks", help="Ranks (EP) per decode unit."),
-        colocated_units: int = typer.Option(
-            0, "--colocated-units", help="Units doing prefill and decode (no hand-off)."
+        prefill_ranks: int | None = typer.Option(
+            None, "--prefill-ranks", help="Ranks (EP) per prefill unit."
         ),
-        colocated_ranks: int = typer.Option(2, "--colocated-ranks"),
+        decode_units: int | None = typer.Option(None, "--decode-units"),
+        decode_ranks: int | None = typer.Option(
+            None, "--decode-ranks", help="Ranks (EP) per decode unit."
+        ),
+        colocated_units: int | None = typer.Option(
+            None, "--colocated-units", help="Units doing prefill and decode (no hand-off)."
+        ),
+        colocated_ranks: int | None = typer.Option(None, "--colocated-ranks"),
         control: str = typer.Option(
             "tcp://127.0.0.1:0",
             "--control",
@@ -171,7 +179,21 @@ def register(app: typer.Typer) -> None:
         autoscale_interval_s = parse_duration_s(autoscale_interval, "--autoscale-interval")
 
         from moeinfra.server.autoscale import AutoscalePolicy
-        from moeinfra.server.launch import ServeOptions, serve
+        from moeinfra.server.launch import DISAGGREGATED, ServeOptions, default_layout, serve
+
+        given = {
+            "prefill_units": prefill_units,
+            "prefill_ranks": prefill_ranks,
+            "decode_units": decode_units,
+            "decode_ranks": decode_ranks,
+            "colocated_units": colocated_units,
+            "colocated_ranks": colocated_ranks,
+        }
+        if all(v is None for v in given.values()):
+            # autoscaling adds and drains prefill and decode units: it starts disaggregated
+            layout = DISAGGREGATED if autoscale else default_layout(device)
+        else:
+            layout = {k: DISAGGREGATED[k] if v is None else v for k, v in given.items()}
 
         policy = (
             AutoscalePolicy(
@@ -188,12 +210,7 @@ def register(app: typer.Typer) -> None:
             model=model,
             host=host,
             port=port,
-            prefill_units=prefill_units,
-            prefill_ranks=prefill_ranks,
-            decode_units=decode_units,
-            decode_ranks=decode_ranks,
-            colocated_units=colocated_units,
-            colocated_ranks=colocated_ranks,
+            **layout,
             control=control,
             kv_host=kv_host,
             kv_cache_dir=kv_cache_dir,
