@@ -24,8 +24,8 @@ batch whose 64 tokens equal moeinfra's.
 
 Served: ``vllm bench serve`` (the same client for every server) with 32 requests of 128 random
 prompt tokens and 64 output tokens sent at once, against ``vllm serve``, a colocated moeinfra unit
-(``--colocated-units 1 --colocated-ranks 1``) and ``moeinfra serve up``'s default layout (one
-prefill and one decode unit of 2 ranks each), float32.
+of one rank (``serve up``'s default on fewer than 5 cores) and the disaggregated layout (one prefill
+and one decode unit of 2 ranks each), float32.
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path) 
             ["--prefill-units", "0", "--decode-units", "0", "--colocated-units", "1",
              "--colocated-ranks", "1"]
             if kind == "moeinfra-colocated"
-            else []
+            else ["--prefill-units", "1", "--prefill-ranks", "2", "--decode-units", "1",
+                  "--decode-ranks", "2"]
         )  # fmt: skip
         cmd = [str(ROOT / ".venv" / "bin" / "moeinfra"), "serve", "up", "--model", str(path),
                "--port", str(port), "--served-model-name", name, "--dtype", "float32", *layout]  # fmt: skip
@@ -236,7 +237,7 @@ def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path) 
 
 def served(args, paths, vllm_python) -> dict:
     tmp = BUILD / "bench-vs-vllm"
-    kinds = ("vllm", "moeinfra-colocated", "moeinfra-default")
+    kinds = ("vllm", "moeinfra-colocated", "moeinfra-disaggregated")
     results: dict = {k: [] for k in kinds}
     for rep in range(args.reps):
         for kind in kinds[rep % 3 :] + kinds[: rep % 3]:

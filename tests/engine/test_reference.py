@@ -75,6 +75,18 @@ def test_long_prompt_chunks_attend_expanded_and_match_transformers(tiny_path, hf
     assert (ours - ref).abs().max() < LOGIT_TOL
 
 
+def test_decode_attention_in_request_groups_equals_transformers(
+    tiny_path, prompt_ids, reference, monkeypatch
+):
+    """On the CPU a large decode batch attends in groups of requests (their gathered contexts
+    cache-sized); one request per group gives the same tokens."""
+    from moeinfra.engine import attention
+
+    monkeypatch.setattr(attention, "DECODE_GATHER_BYTES", 1)
+    outputs = LLM(tiny_path).generate(prompt_ids, GREEDY, use_tqdm=False)
+    _check(outputs, reference, prompt_ids)
+
+
 def _check(outputs, reference, prompt_ids):
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
     for o, ref in zip(outputs, reference, strict=True):
