@@ -19,13 +19,15 @@ import argparse
 import json
 import math
 import os
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.bench_vs_vllm import SMALL
+from benchmarks.offline_worker import OUTPUT_TOKENS, transformers_runner, workload
 
 # ~1.2B parameters: 12 layers (1 dense, 11 MoE with 48 routed experts, top-6 in 8 groups, 1
 # shared), DeepSeek-V3's MLA widths (kv_lora_rank 512 + rope 64) and vocabulary.
@@ -47,22 +49,8 @@ SHAPES = {
         "qk_nope_head_dim": 128,
         "v_head_dim": 128,
     },
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "n_routed_experts": 32,
-        "q_lora_rank": 128,
-        "kv_lora_rank": 128,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-    },
+    "small": SMALL,  # the CPU benchmark's small model: checks this script in a minute
 }
-OUTPUT_TOKENS = 64
 
 
 def parameters(path: Path) -> int:
@@ -73,11 +61,6 @@ def parameters(path: Path) -> int:
         with safe_open(file, framework="pt") as f:
             total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
     return total
-
-
-def workload(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 120_000) for _ in range(rng.randint(64, 256))] for _ in range(n)]
 
 
 def run_moeinfra(path: Path, concurrency: list[int], reps: int, device: str, **options) -> dict:
@@ -126,41 +109,23 @@ def run_moeinfra(path: Path, concurrency: list[int], reps: int, device: str, **o
 def run_transformers(
     path: Path, concurrency: list[int], reps: int, device: str, dtype: torch.dtype | None = None
 ) -> dict:
-    import transformers
-
     began = time.perf_counter()
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
-    model.eval()
+    run = transformers_runner(str(path), str(dtype).removeprefix("torch."), concurrency, device)
     out = {"load_s": time.perf_counter() - began, "by_concurrency": {}}
     for c in concurrency:
         prompts = workload(c)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-
-        def generate(ids=ids, mask=mask):
-            with torch.no_grad():
-                return model.generate(
-                    ids,
-                    attention_mask=mask,
-                    max_new_tokens=OUTPUT_TOKENS,
-                    min_new_tokens=OUTPUT_TOKENS,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-
-        generate()
+        run(prompts)
         times = []
         for _ in range(reps):
             sync(device)
             t = time.perf_counter()
-            gen = generate()
+            tokens = run(prompts)
             sync(device)
             times.append(time.perf_counter() - t)
         out["by_concurrency"][c] = {
             "tokens_per_s": c * OUTPUT_TOKENS / statistics.median(times),
-            "tokens": gen[:, width:].tolist(),
+            "tokens": tokens,
         }
     return out
 

@@ -46,36 +46,28 @@ VENV = BUILD / "vllm-venv"
 WORKER = ROOT / "benchmarks" / "offline_worker.py"
 VLLM_VERSION = "0.32.0"
 
-SHAPES = {
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "n_routed_experts": 32,
-        "q_lora_rank": 128,
-        "kv_lora_rank": 64,
-        "qk_rope_head_dim": 32,
-        "qk_nope_head_dim": 32,
-        "v_head_dim": 32,
-    },
-    "latent": {
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "n_routed_experts": 32,
-        "q_lora_rank": 128,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-    },
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "n_routed_experts": 32,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
 }
+# DeepSeek-V3's MLA widths on the small model
+LATENT = SMALL | {
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+SHAPES = {"small": SMALL, "latent": LATENT}
 SYSTEMS = ("moeinfra", "vllm", "transformers")
 
 # the vLLM CLI, called as the GPU package's name (see the module docstring)

@@ -39,17 +39,17 @@ def moeinfra_runner(path: str, dtype: str, concurrency: list[int]):
     return run
 
 
-def transformers_runner(path: str, dtype: str, concurrency: list[int]):
+def transformers_runner(path: str, dtype: str, concurrency: list[int], device: str = "cpu"):
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model.eval()
+    model.to(device).eval()
 
     def run(prompts):
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.no_grad():
             out = model.generate(
                 ids,

@@ -30,7 +30,7 @@ from moeinfra.server.autoscale import AutoscalePolicy, Autoscaler
 #: disaggregation (one prefill and one decode unit of 2 ranks) where the machine has a core (CPU)
 #: or a GPU (CUDA) for each of the 4 ranks besides the API server's core, else one colocated unit
 #: of one rank. On a 2-core machine the four ranks share two cores: a burst of 32 requests got
-#: half the output tokens/s and 5x the TTFT p50 of one colocated rank (docs/benchmarks.md).
+#: 0.6x the output tokens/s and 4x the TTFT p50 of one colocated rank (docs/benchmarks.md).
 DISAGGREGATED = {
     "prefill_units": 1,
     "prefill_ranks": 2,
