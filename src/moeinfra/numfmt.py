@@ -39,3 +39,8 @@ def format_number(value: float | int) -> str:
         return f"{x:.4g}"
     mantissa, exponent = f"{x:.1e}".split("e")
     return f"{mantissa} × 10{str(int(exponent)).translate(_SUPERSCRIPT)}"
+
+
+def percent(fraction: float) -> str:
+    """``fraction`` as a percentage by the same rule: ``percent(0.1234) == "12.34%"``."""
+    return f"{format_number(100 * float(fraction))}%"

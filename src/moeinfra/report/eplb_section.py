@@ -11,6 +11,7 @@ from moeinfra.eplb.bench import DEPLOYMENTS, median_time
 from moeinfra.eplb.figures import plot_plan, plot_policy_comparison
 from moeinfra.eplb.published import EXAMPLE_PHY2LOG, EXAMPLE_WEIGHT
 from moeinfra.eplb.synthetic import synthetic_load
+from moeinfra.numfmt import percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 
@@ -59,13 +60,13 @@ def build(out_dir: Path) -> Section:
                 [
                     f"{deployment} ({shape['num_nodes']} nodes, {shape['num_gpus']} GPUs)",
                     kind,
-                    f"{theirs_eval.max_over_mean.mean():.4f}",
-                    f"{ours_eval.max_over_mean.mean():.4f}",
-                    f"{theirs_eval.gap.mean():.2%}",
-                    f"{ours_eval.gap.mean():.2%}",
+                    float(theirs_eval.max_over_mean.mean()),
+                    float(ours_eval.max_over_mean.mean()),
+                    percent(theirs_eval.gap.mean()),
+                    percent(ours_eval.gap.mean()),
                     int(theirs_eval.duplicates.sum()),
                     int(ours_eval.duplicates.sum()),
-                    f"{ours_ms:.1f}",
+                    ours_ms,  # a number: the table prints it by the one rule, as every cell
                 ]
             )
             if deployment == "prefill" and kind == "zipf":

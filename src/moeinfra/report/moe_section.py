@@ -6,6 +6,7 @@ import html
 import statistics
 from pathlib import Path
 
+from moeinfra.numfmt import format_number, percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 _TITLE = "Expert-parallel MoE: dispatch/combine, redundant experts, dual micro-batch overlap"
@@ -42,13 +43,13 @@ def build(out_dir: Path) -> Section:
         for mode in modes:
             steps = times[f"{mode}/{delay}"]["times_s"]
             q1, q2, q3 = statistics.quantiles(steps, n=4, method="inclusive")
-            saved = "-" if mode == "none" or not delay else f"{(none_s - q2) / injected:.0%}"
+            saved = "-" if mode == "none" or not delay else percent((none_s - q2) / injected)
             rows.append(
                 [
-                    f"{delay * 1e3:g}",
+                    delay * 1e3,
                     mode,
-                    f"{q2 * 1e3:.1f}",
-                    f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}",
+                    q2 * 1e3,
+                    f"{format_number(q1 * 1e3)}-{format_number(q3 * 1e3)}",
                     saved,
                 ]
             )
@@ -87,9 +88,10 @@ def build(out_dir: Path) -> Section:
             [
                 [
                     f"prefill overlap, {_DELAY_S * 1e3:g} ms delay",
-                    f"{result['comm_hidden_fraction']:.0%}",
+                    percent(result["comm_hidden_fraction"]),
                     result["max_abs_error_vs_reference"],
-                    f"{result['balancedness_before']:.3f} -> {result['balancedness_after']:.3f}",
+                    f"{format_number(result['balancedness_before'])} -> "
+                    f"{format_number(result['balancedness_after'])}",
                 ]
             ],
         )

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from moeinfra.numfmt import format_number, percent
 from moeinfra.report.page import table_html
 
 _REPO = Path(__file__).resolve().parents[3]  # the checkout, when run from one
@@ -88,9 +89,17 @@ def title_block_html(
         ["generated", info.created.strftime("%Y-%m-%d %H:%M:%S UTC")],
         ["CPU", info.cpu],
         ["cores", cores],
-        ["RAM", "unknown" if info.ram_bytes is None else f"{info.ram_bytes / 2**30:.1f} GiB"],
+        [
+            "RAM",
+            "unknown" if info.ram_bytes is None else f"{format_number(info.ram_bytes / 2**30)} GiB",
+        ],
         *(
-            [["load average (1 min), start / end", f"{info.load_1min:.1f} / {load_end:.1f}"]]
+            [
+                [
+                    "load average (1 min), start / end",
+                    f"{format_number(info.load_1min)} / {format_number(load_end)}",
+                ]
+            ]
             if info.load_1min is not None and load_end is not None
             else []
         ),
@@ -114,7 +123,7 @@ def title_block_html(
 def _share(part: float, total: float) -> str:
     if not total:
         return "-"
-    return "<1%" if 0 < part / total < 0.005 else f"{part / total:.0%}"
+    return "<1%" if 0 < part / total < 0.005 else percent(part / total)
 
 
 def _version(name: str) -> str:

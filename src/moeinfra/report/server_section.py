@@ -6,6 +6,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+from moeinfra.numfmt import percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 _TITLE = (
@@ -101,8 +102,8 @@ def build(out_dir: Path) -> Section:
         "one prefill and one decode unit of two gloo ranks each, the prompt's latent KV handed "
         "from prefill to decode over ZeroMQ, an on-disk prefix cache. <code>moeinfra serve "
         f"calibrate</code> fitted the serving model to its engine steps ({fit['points']} bins, "
-        f"median error {fit['median_abs']:.0%}; {held['points']} held-out bins, median "
-        f"{held['median_abs']:.0%}); then a 48-request trace the fit never saw (Poisson, 4/s, "
+        f"median error {percent(fit['median_abs'])}; {held['points']} held-out bins, median "
+        f"{percent(held['median_abs'])}); then a 48-request trace the fit never saw (Poisson, 4/s, "
         "half the prompts sharing a system block) was replayed live, through the calibrated "
         "simulator, and live on two colocated units of the same size.</p>"
         + table_html(

@@ -6,6 +6,7 @@ import html
 import time
 from pathlib import Path
 
+from moeinfra.numfmt import format_number as n
 from moeinfra.report.page import Section, figure_html, table_html
 from moeinfra.serving.figures import plot_cost_income, plot_latency, plot_nodes, plot_throughput
 from moeinfra.serving.scenario import (
@@ -47,23 +48,23 @@ def build(out_dir: Path) -> Section:
         "deepseek-v3-day</code>): the published node curve with 18-node decode (EP144) and 4-node "
         "prefill (EP32) units on H800, the published demand curve and length statistics, and a "
         "per-layer performance model built from published kernel figures. "
-        f"{req['arrived']:,.0f} requests, simulated in {elapsed:.1f} s "
-        f"({req['sampled']:,} sampled, 1 per {result.scale:g}).</p>",
+        f"{n(round(req['arrived']))} requests, simulated in {n(elapsed)} s "
+        f"({n(req['sampled'])} sampled, 1 per {n(result.scale)}).</p>",
         "<h3>Published vs simulated</h3>",
         table_html(["figure", "published", "simulated", "difference"], rows),
         "<p>Cost, nodes and token totals follow from the node curve and the demand (inputs); "
         "throughput per node, margin and output speed come out of the simulation. The output "
         "speed is where the model and DeepSeek's figure differ: the model gives a decode step of "
-        f"about {d['tpot_s'].get('p50', float('nan')) * 1e3:.0f} ms at the batch the published "
-        f"throughput implies, so {d['mean_output_tokens_per_s']:.1f} tokens/s against the "
+        f"about {n(d['tpot_s'].get('p50', float('nan')) * 1e3)} ms at the batch the published "
+        f"throughput implies, so {n(d['mean_output_tokens_per_s'])} tokens/s against the "
         "published 20-22; against independent measurements of such deployments it is 8-30% "
         "optimistic too (see docs/serving-model.md).</p>",
-        f"<p>Requests: {req['completed']:,.0f} completed, {req['running']:,.0f} still running at "
-        f"the end, {req['rejected']:,.0f} rejected. TTFT p50/p95 "
-        f"{d['ttft_s']['p50']:.2f}/{d['ttft_s']['p95']:.2f} s; time per output token p50/p95 "
-        f"{d['tpot_s']['p50'] * 1e3:.1f}/{d['tpot_s']['p95'] * 1e3:.1f} ms. Expert imbalance "
-        f"(EPLB, max/mean GPU load): prefill {d['model']['prefill_expert_imbalance']:.3f}, "
-        f"decode {d['model']['decode_expert_imbalance']:.3f}.</p>",
+        f"<p>Requests: {n(round(req['completed']))} completed, {n(round(req['running']))} still "
+        f"running at the end, {n(round(req['rejected']))} rejected. TTFT p50/p95 "
+        f"{n(d['ttft_s']['p50'])}/{n(d['ttft_s']['p95'])} s; time per output token p50/p95 "
+        f"{n(d['tpot_s']['p50'] * 1e3)}/{n(d['tpot_s']['p95'] * 1e3)} ms. Expert imbalance "
+        f"(EPLB, max/mean GPU load): prefill {n(d['model']['prefill_expert_imbalance'])}, "
+        f"decode {n(d['model']['decode_expert_imbalance'])}.</p>",
         figure_html("serving_nodes.png", "Nodes in service over the day"),
         figure_html("serving_cost_income.png", "Cost vs theoretical income per hour"),
         figure_html("serving_throughput.png", "Throughput per node"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from moeinfra.numfmt import percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 DEEPSEEK_TRACE = (
@@ -97,7 +98,7 @@ def build(out_dir: Path, trace_path: Path | None = None) -> Section:
         f"<p>DeepSeek's published PyTorch Profiler trace of one DualPipe forward+backward chunk pair "
         f"(<code>{html.escape(path.name)}</code>, {doc['gpu_ops']} GPU ops). DeepEP all-to-all kernels "
         f"(<code>dpsk::ep::</code>) are communication; holistic trace analysis, which looks for <code>nccl</code> "
-        f"kernels only, finds none. {100 * hidden:.1f}% of the communication time runs under computation; the "
+        f"kernels only, finds none. {percent(hidden)} of the communication time runs under computation; the "
         f"decomposition adds up exactly: compute + exposed communication + exposed memory + idle = span.</p>"
         + figure_html(
             full.name,
