@@ -68,7 +68,9 @@ def test_moe_section_reports_medians_with_spread_and_a_drawn_timeline(tmp_path):
     for _, _, median, q1, q3, _ in rows:
         assert float(q1) <= float(median) <= float(q3)
     assert rows[3][5].endswith("%") and all(r[5] == "-" for r in rows[:3])
-    assert re.search(r"<td>\d+(\.\d+)?%</td>", section.body_html)  # communication hidden, traced run
+    assert re.search(
+        r"<td>\d+(\.\d+)?%</td>", section.body_html
+    )  # communication hidden, traced run
     png = Image.open(tmp_path / "moe_timeline.png").convert("RGB")
     assert len(png.getcolors(maxcolors=1 << 16) or []) > 10
 
