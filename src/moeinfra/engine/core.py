@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.config import EngineConfig
-from moeinfra.engine.device import keeps_fp8, resolve_device, resolve_dtype
+from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -33,6 +33,7 @@ from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator
+from moeinfra.moe.expert_parallel import take_step_loads
 from moeinfra.moe.mla import Segment
 
 
@@ -122,10 +123,8 @@ class EngineCore:
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.plan = self._initial_plan()
         local_rank = os.environ.get("LOCAL_RANK")  # torchrun's; a spawned rank's is set already
-        self.device = resolve_device(self.config.device, local_rank and int(local_rank))
+        self.device = place_rank(self.config.device, local_rank and int(local_rank))
         self.dtype = dtype = resolve_dtype(self.config.dtype, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         self.model = self.arch.load(
             CheckpointReader(model_dir),
             self.model_config,
@@ -272,7 +271,7 @@ class EngineCore:
         forward_s = time.perf_counter() - forward_began
         self.steps += 1
         if self.model_config.num_moe_layers:
-            self.load_window.append(_take_step_load(self.model.moe))
+            self.load_window.append(take_step_loads(self.model.moe))
         interval = self.config.eplb_interval
         if interval is not None and self.steps % interval == 0:
             self.rebalance()
@@ -430,25 +429,15 @@ class EngineCore:
     def rebalance(self) -> int:
         """Re-place experts from the loads of the last ``eplb_window`` steps (summed over ranks)
         and migrate their weights live (collective). Returns the expert tensors this rank received."""
-        load = self.window_load()
-        if load is None:
+        if not self.load_window:
             return 0
+        load = torch.stack(list(self.load_window)).sum(0)  # on the device: NCCL reduces only there
         if self.comm.distributed and self.comm.world_size > 1:
-            t = torch.from_numpy(load.astype(np.int64))
-            dist.all_reduce(t, group=self.comm.group)
-            load = t.numpy()
+            dist.all_reduce(load, group=self.comm.group)
+        load = load.cpu().numpy()
         lay = self.plan.layout
         plan = rebalance(load, lay.num_replicas, lay.num_groups, lay.num_nodes, lay.num_gpus)
         received = self.model.decoder.apply_plan(plan)
         self.plan = self.model.plan = plan
         self.rebalances += 1
         return received
-
-
-def _take_step_load(layers) -> torch.Tensor:
-    """``[layers, experts]`` routed copies each layer counted since the last call; resets them
-    (on the layers' device, no host round trip)."""
-    load = torch.stack([layer.load_counts for layer in layers])
-    for layer in layers:
-        layer.load_counts.zero_()
-    return load

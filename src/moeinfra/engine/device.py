@@ -34,6 +34,15 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def place_rank(name: str, local_rank: int | None = None) -> torch.device:
+    """:func:`resolve_device`, made this process's current CUDA device when it is one (where NCCL
+    and every kernel without an explicit device run)."""
+    device = resolve_device(name, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Weights' and cache's dtype of engine option ``dtype=name`` on ``device``."""
     if name == "auto":

@@ -245,7 +245,8 @@ def init_tiny(
     ``vocab_size`` comes from the tokenizer. ``shards=1`` writes one ``model.safetensors`` with no
     index (as ``save_pretrained`` does for small models)."""
     path = Path(path)
-    unknown = sorted(set(config or {}) - set(tiny_config(0)) | ({"vocab_size"} & set(config or {})))
+    given = set(config or {})
+    unknown = sorted((given - set(tiny_config(0))) | (given & {"vocab_size"}))
     if unknown:
         raise InputError(
             f"config key {unknown[0]!r} cannot be set; use keys of tiny_config() but vocab_size"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
-from moeinfra.engine.device import collective_backend, resolve_device
+from moeinfra.engine.device import collective_backend, place_rank
 
 
 def agree(core: EngineCore, shutdown: bool = False, rebalance: bool = False) -> list[bool]:
@@ -62,9 +62,7 @@ def worker_main(
     from moeinfra.moe.comm import Communicator
 
     try:
-        device = resolve_device(config.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = place_rank(config.device, rank)
         dist.init_process_group(
             collective_backend(device),
             init_method=init_method,

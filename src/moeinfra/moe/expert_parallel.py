@@ -390,3 +390,12 @@ def rank_experts(plan: Plan, layer: int, rank: int) -> list[int]:
 def load_matrix(layers: list[ExpertParallelMoE], all_reduce: bool = True) -> np.ndarray:
     """``[L, E]`` int64 load of every layer since the last call (for ``eplb.LoadEstimator.record``)."""
     return np.stack([layer.take_load(all_reduce).numpy() for layer in layers])
+
+
+def take_step_loads(layers: list[ExpertParallelMoE]) -> torch.Tensor:
+    """``[L, E]`` int64 routed copies every layer counted since the last call, on the layers'
+    device (no host round trip: an engine keeps one per step); resets the counters."""
+    load = torch.stack([layer.load_counts for layer in layers])
+    for layer in layers:
+        layer.load_counts.zero_()
+    return load

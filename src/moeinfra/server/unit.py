@@ -359,15 +359,13 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
     import torch.distributed as dist
 
     from moeinfra.engine.core import EngineCore
-    from moeinfra.engine.device import collective_backend, resolve_device
+    from moeinfra.engine.device import collective_backend, place_rank
     from moeinfra.engine.worker import serve_loop
     from moeinfra.moe.comm import Communicator
 
     torch.set_num_threads(1)
     try:
-        device = resolve_device(spec.engine.device, rank - spec.first_rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = place_rank(spec.engine.device, rank - spec.first_rank)
         if spec.ranks > 1:
             dist.init_process_group(
                 collective_backend(device),

@@ -18,14 +18,13 @@ from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.fp8 import Fp8Linear
 from moeinfra.engine.hf_config import ModelConfig, parse_config
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
-from moeinfra.engine.lm_head import LMHead
 from moeinfra.eplb import Plan
 from moeinfra.moe.block import finish
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.expert_parallel import ExpertParallelMoE, rank_experts
 from moeinfra.moe.gate import Gate
-from moeinfra.moe.layers import Expert, RMSNorm
+from moeinfra.moe.layers import Expert, Linear, RMSNorm
 from moeinfra.moe.mla import MLA, Segment, positions_of
 from moeinfra.moe.runtime import ExpertParallelDecoder
 
@@ -108,7 +107,7 @@ class DeepseekV3(nn.Module):
         self.moe = experts
         self.decoder = ExpertParallelDecoder.from_layers(self.moe_blocks, self.moe, comm)
         self.norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
-        self.lm_head = LMHead(block.hidden_size, c.vocab_size)
+        self.lm_head = Linear(block.hidden_size, c.vocab_size)  # oneDNN on the CPU in float32
         self.plan = plan
 
     @torch.no_grad()
@@ -128,7 +127,7 @@ class DeepseekV3(nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` -> float32 logits ``[N, vocab]``."""
-        return self.lm_head(hidden)
+        return self.lm_head(hidden).float()
 
 
 def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
