@@ -40,6 +40,21 @@ def test_init_tiny_then_generate_json_on_two_ranks(tmp_path, tiny_path, referenc
 
 
 @pytest.mark.timeout(200)
+def test_init_tiny_deepseek_v32_then_generate(tmp_path):
+    path = tmp_path / "v32"
+    made = _cli("init-tiny", str(path), "--tokenizer", "bpe", "--arch", "deepseek_v32")
+    assert made.returncode == 0, made.stderr
+    assert "tiny DeepSeek-V3.2 checkpoint written to" in made.stdout
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v32" and config["index_topk"] == 16
+    proc = _cli("generate", "--model", str(path), "--json", "--ignore-eos", "--max-tokens", "24",
+                "-p", "Prefill and decode are disaggregated")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert len(record["token_ids"]) == 24  # past index_topk: the last tokens attend sparsely
+
+
+@pytest.mark.timeout(200)
 def test_generate_chat_on_the_default_checkpoint(tmp_path):
     import os
 
@@ -69,6 +84,10 @@ def test_generate_chat_on_the_default_checkpoint(tmp_path):
         ),
         (["init-tiny", "/tmp/x", "--set", "vocab_size=9"], "config key 'vocab_size' cannot be set"),
         (["init-tiny", "/tmp/x", "--set", "hidden_size"], "--set 'hidden_size' must be KEY=VALUE"),
+        (
+            ["init-tiny", "/tmp/x", "--arch", "deepseek_v4"],
+            "arch='deepseek_v4' is not allowed; use one of deepseek_v3, deepseek_v32",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, tiny_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 app = typer.Typer(
-    help="Inference engine for DeepSeek-V3-architecture checkpoints (Hugging Face format).",
+    help="Inference engine for DeepSeek-V3 and V3.2 checkpoints (Hugging Face format).",
     no_args_is_help=True,
 )
 
@@ -31,6 +31,11 @@ def init_tiny_cmd(
         [], "--set", help="KEY=VALUE of config.json to change, e.g. hidden_size=256 (repeatable)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
+    arch: str = typer.Option(
+        "deepseek_v3",
+        "--arch",
+        help="deepseek_v3, or deepseek_v32 (DeepSeek-V3.2: sparse attention, index_topk 16).",
+    ),
 ) -> None:
     """Write a small DeepSeek-V3-shaped checkpoint (random weights) in Hugging Face's format."""
     from moeinfra.engine.tiny import init_tiny
@@ -44,8 +49,10 @@ def init_tiny_cmd(
         shards=shards,
         overwrite=overwrite,
         config=_config_overrides(overrides),
+        arch=arch,
     )
-    typer.echo(f"tiny DeepSeek-V3 checkpoint written to {out}")
+    name = {"deepseek_v3": "DeepSeek-V3", "deepseek_v32": "DeepSeek-V3.2"}[arch]
+    typer.echo(f"tiny {name} checkpoint written to {out}")
 
 
 def _config_overrides(items: list[str]) -> dict:

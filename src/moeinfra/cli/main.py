@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 GROUPS = {
     "engine": (
         "moeinfra.cli.engine",
-        "Inference engine for DeepSeek-V3-architecture checkpoints (Hugging Face format).",
+        "Inference engine for DeepSeek-V3 and V3.2 checkpoints (Hugging Face format).",
     ),
     "eplb": (
         "moeinfra.cli.eplb",

@@ -8,34 +8,47 @@ from its context (:func:`expanded_attention`, cheaper than the absorbed form pas
 :func:`expanded_attention_threshold` queries). Which slots to write and gather depends only on the segments, so it
 is worked out once per step and micro-batch (:class:`AttentionPlan`) and shared by every layer. The
 math is :func:`moeinfra.moe.mla.latent_attention` (absorbed form).
+
+With DeepSeek-V3.2's indexer (DeepSeek Sparse Attention), a query at position ``p >= topk`` attends
+only to the ``topk`` cached entries the indexer selects for it (:mod:`moeinfra.engine.indexer`): those
+rows gather ``topk`` entries each, however long the context; a query with at most ``topk`` earlier
+tokens sees all of them, as in dense attention.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from moeinfra.engine.indexer import IndexQuery, select_tokens
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention, latent_query
 
-LATENT, ROPE_KEY = "kv", "k_pe"
+LATENT, ROPE_KEY, INDEX_KEY = "kv", "k_pe", "index_k"
 
 
-def mla_layout(block: MoEConfig, num_layers: int, dtype: torch.dtype) -> KVLayout:
-    """Per token per layer: the normalised latent and the rotated shared key."""
-    return KVLayout(
-        ((LATENT, block.kv_lora_rank), (ROPE_KEY, block.qk_rope_head_dim)), num_layers, dtype
-    )
+def mla_layout(
+    block: MoEConfig, num_layers: int, dtype: torch.dtype, index_head_dim: int = 0
+) -> KVLayout:
+    """Per token per layer: the normalised latent and the rotated shared key, then (DeepSeek-V3.2)
+    the indexer's key of ``index_head_dim``."""
+    parts = ((LATENT, block.kv_lora_rank), (ROPE_KEY, block.qk_rope_head_dim))
+    if index_head_dim:
+        parts += ((INDEX_KEY, index_head_dim),)
+    return KVLayout(parts, num_layers, dtype)
 
 
 @dataclass
 class AttentionPlan:
     """Slots of one micro-batch's tokens: ``write [T]``; decode rows ``decode_rows [D]`` gathering
     ``decode_slots [D, L]`` where ``decode_mask [D, 1, L]`` (None when every context is ``L`` long);
-    per prefill chunk ``(rows [n], context slots [m], mask [1, n, m])``. On the cache's device."""
+    per prefill chunk ``(rows [n], context slots [m], mask [1, n, m])``. With a dense limit
+    (``topk``), rows at positions ``>= topk`` are ``sparse`` instead: ``(rows [n], context slots
+    [m] or [n, m], mask [n, m])`` for the indexer to choose from. On the cache's device."""
 
     num_tokens: int
     write: torch.Tensor
@@ -43,17 +56,23 @@ class AttentionPlan:
     decode_slots: torch.Tensor
     decode_mask: torch.Tensor | None
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    sparse: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
+def plan_attention(
+    step: StepCache, segments: list[Segment], dense_below: int | None = None
+) -> AttentionPlan:
+    """The plan of ``segments``; ``dense_below``: positions from which queries attend sparsely
+    (DeepSeek-V3.2's ``index_topk``; None: every query attends densely)."""
     device = step.cache.data.device
+    limit = float("inf") if dense_below is None else dense_below
     offsets, row = [], 0
     for s in segments:
         offsets.append(row)
         row += s.length
     slots = step.slots
     write = [slots[s.seq][s.start : s.start + s.length] for s in segments]
-    decode = [i for i, s in enumerate(segments) if s.length == 1]
+    decode = [i for i, s in enumerate(segments) if s.length == 1 and s.start < limit]
     decode_mask = None
     if decode:
         contexts = [slots[segments[i].seq][: segments[i].start + 1] for i in decode]
@@ -67,12 +86,9 @@ def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
         decode_slots = torch.zeros(0, 0, dtype=torch.int64, device=device)
     chunks = []
     for i, s in enumerate(segments):
-        if s.length > 1:
-            end = s.start + s.length
-            keys = torch.arange(end, device=device)
-            mask = keys[None, :] <= torch.arange(s.start, end, device=device)[:, None]
-            rows = torch.arange(offsets[i], offsets[i] + s.length, device=device)
-            chunks.append((rows, slots[s.seq][:end], mask[None]))
+        dense = min(s.length, max(0, limit - s.start))
+        if s.length > 1 and dense:
+            chunks.append(_causal(slots[s.seq], s.start, int(dense), offsets[i], device))
     return AttentionPlan(
         row,
         torch.cat(write) if write else torch.zeros(0, dtype=torch.int64, device=device),
@@ -80,20 +96,68 @@ def plan_attention(step: StepCache, segments: list[Segment]) -> AttentionPlan:
         decode_slots,
         decode_mask,
         chunks,
+        _sparse_parts(segments, offsets, slots, limit, device),
     )
 
 
+def _causal(seq_slots: torch.Tensor, start: int, length: int, row: int, device):
+    """``(rows [n], context slots [m], mask [1, n, m])`` of positions ``start .. start+length-1``
+    at rows ``row ..``, each seeing every position up to its own."""
+    end = start + length
+    keys = torch.arange(end, device=device)
+    mask = keys[None, :] <= torch.arange(start, end, device=device)[:, None]
+    rows = torch.arange(row, row + length, device=device)
+    return rows, seq_slots[:end], mask[None]
+
+
+def _sparse_parts(segments, offsets, slots, limit, device) -> list:
+    """Rows at positions ``>= limit``: one part per prompt chunk (its rows share the chunk's
+    context), and one for all decode rows (contexts padded to the longest)."""
+    parts, decode = [], []
+    for i, s in enumerate(segments):
+        end = s.start + s.length
+        if end <= limit:
+            continue
+        if s.length == 1:
+            decode.append(i)
+            continue
+        first = max(s.start, int(limit))
+        row = offsets[i] + first - s.start
+        rows, context, mask = _causal(slots[s.seq], first, end - first, row, device)
+        parts.append((rows, context, mask[0]))
+    if decode:
+        contexts = [slots[segments[i].seq][: segments[i].start + 1] for i in decode]
+        lengths = torch.tensor([segments[i].start + 1 for i in decode], device=device)
+        context = pad_sequence(contexts, batch_first=True)
+        mask = torch.arange(context.shape[1], device=device)[None, :] < lengths[:, None]
+        rows = torch.tensor([offsets[i] for i in decode], dtype=torch.int64, device=device)
+        parts.append((rows, context, mask))
+    return parts
+
+
 def paged_mla_attention(
-    mla: MLA, latent: Latent, segments: list[Segment], cache: LayerCache
+    mla: MLA,
+    latent: Latent,
+    segments: list[Segment],
+    cache: LayerCache,
+    index: IndexQuery | None = None,
+    topk: int = 0,
 ) -> torch.Tensor:
-    """Attention output ``[T, H]`` of the ``T`` tokens of ``segments`` (concatenated in order)."""
-    plan = cache.step.plan(tuple(segments), plan_attention)
+    """Attention output ``[T, H]`` of the ``T`` tokens of ``segments`` (concatenated in order).
+    With DeepSeek-V3.2's ``index`` (its keys cached beside the latent), queries at positions
+    ``>= topk`` attend to the ``topk`` entries the indexer selects."""
+    sparse = index is not None
+    build = functools.partial(plan_attention, dense_below=topk) if sparse else plan_attention
+    plan = cache.step.plan(tuple(segments), build)
     if plan.num_tokens == 0:
         return latent.q_nope.new_zeros(0, mla.wo.out_features)
-    store = cache.rows()  # [slots, kv_lora_rank + qk_rope_head_dim]: the latent, then the key
-    store[plan.write] = torch.cat([latent.kv, latent.k_pe], dim=-1).to(store.dtype)
+    cached = cache.rows()  # [slots, values]: the latent, the rotated key (, the index key)
+    written = [latent.kv, latent.k_pe] + ([index.key] if sparse else [])
+    cached[plan.write] = torch.cat(written, dim=-1).to(cached.dtype)
+    width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
+    store = cached[:, :width] if sparse else cached
     query = latent_query(mla, latent)
-    if not plan.chunks:  # decode only: every row in order
+    if not plan.chunks and not plan.sparse:  # decode only: every row in order
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
     out = query.new_empty(plan.num_tokens, mla.wo.out_features)
     if plan.decode_rows.numel():
@@ -105,6 +169,12 @@ def paged_mla_attention(
             out[rows] = expanded_attention(mla, latent, rows, ctx, mask[0])
         else:
             out[rows] = latent_attention(mla, query[rows], ctx[None], mask)[0]
+    if plan.sparse:
+        keys = cached[:, width:]
+        chosen = [(r, select_tokens(index, keys, r, c, m, topk)) for r, c, m in plan.sparse]
+        rows = torch.cat([r for r, _ in chosen])
+        selected = torch.cat([s for _, s in chosen])
+        out[rows] = decode_attention(mla, query[rows], store, selected, None)
     return out
 
 

@@ -37,8 +37,11 @@ def dequantize(
     return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
 
 
-def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantise ``weight [out, in]`` as DeepSeek ships it: ``(fp8 weight, scale_inv)``."""
+def quantize(
+    weight: torch.Tensor, block: int = BLOCK, power_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantise ``weight [out, in]`` as DeepSeek ships it: ``(fp8 weight, scale_inv)``;
+    ``power_of_two``: each scale rounded up to a power of two (``scale_fmt: ue8m0``)."""
     w = weight.float()
     rows, cols = w.shape
     nr, nc = -(-rows // block), -(-cols // block)
@@ -46,6 +49,8 @@ def quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     padded[:rows, :cols] = w
     amax = padded.view(nr, block, nc, block).abs().amax(dim=(1, 3))
     scale_inv = (amax / FP8_MAX).clamp(min=1e-12)
+    if power_of_two:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (w / _expand(scale_inv, w.shape, block)).to(torch.float8_e4m3fn)
     return q, scale_inv
 

@@ -16,12 +16,43 @@ class CheckpointError(InputError):
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): ``heads`` scoring heads of
+    ``head_dim`` (the first ``qk_rope_head_dim`` of them rotated), one key of ``head_dim`` per
+    token, and the ``topk`` earlier tokens each query's MLA attends to."""
+
+    heads: int
+    head_dim: int
+    topk: int
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str) -> IndexerConfig:
+        """From ``config.json``'s ``index_n_heads``, ``index_head_dim``, ``index_topk``."""
+        values = {}
+        for key in ("index_n_heads", "index_head_dim", "index_topk"):
+            if key not in raw:
+                raise CheckpointError(f"{source}: required key {key!r} is missing")
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(f"{source}: {key}={value!r} must be an integer > 0")
+            values[key] = value
+        rope = int(raw["qk_rope_head_dim"])
+        if values["index_head_dim"] < rope:
+            raise CheckpointError(
+                f"{source}: index_head_dim={values['index_head_dim']} must be >= "
+                f"qk_rope_head_dim={rope} (the indexer rotates its first qk_rope_head_dim dims)"
+            )
+        return cls(values["index_n_heads"], values["index_head_dim"], values["index_topk"])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs from ``config.json``.
 
     ``block`` holds the sizes of one decoder block (MLA + MoE) in :mod:`moeinfra.moe`'s terms;
     ``num_layers`` is ``num_hidden_layers`` (the MTP layers after them are not loaded);
-    ``first_k_dense_replace`` layers have a dense SwiGLU MLP of ``intermediate_size`` instead of MoE.
+    ``first_k_dense_replace`` layers have a dense SwiGLU MLP of ``intermediate_size`` instead of MoE;
+    ``indexer``: DeepSeek-V3.2's sparse-attention indexer (None: dense MLA, DeepSeek-V3).
     """
 
     model_type: str
@@ -37,6 +68,7 @@ class ModelConfig:
     num_mtp_layers: int
     quantization: dict | None
     torch_dtype: str
+    indexer: IndexerConfig | None = None
 
     @property
     def num_moe_layers(self) -> int:
@@ -144,3 +176,16 @@ def read_config(model_dir: Path) -> dict:
     if "model_type" not in raw:
         raise CheckpointError(f"{path}: required key 'model_type' is missing")
     return raw
+
+
+PUBLISHED = ("deepseek-v3", "deepseek-v3.2-exp")
+
+
+def published_config(name: str) -> dict:
+    """DeepSeek's released ``config.json`` of ``name`` (one of :data:`PUBLISHED`), shipped as data."""
+    from importlib import resources
+
+    if name not in PUBLISHED:
+        raise InputError(f"name={name!r} is not a published config; use one of {PUBLISHED}")
+    text = resources.files("moeinfra.engine").joinpath(f"data/configs/{name}.json").read_text()
+    return json.loads(text)

@@ -1,8 +1,8 @@
 """Model architectures by ``config.json``'s ``model_type`` (as vLLM keeps them).
 
 An :class:`Architecture` says how to read the config, what one token's KV cache holds, and how to
-build one rank's model from a checkpoint. ``deepseek_v3`` is built in; ``deepseek_v32`` (sparse
-attention with an indexer) and ``deepseek_v4`` (mixed sliding/compressed attention) plug in with their
+build one rank's model from a checkpoint. ``deepseek_v3`` and ``deepseek_v32`` (sparse attention
+with an indexer) are built in; ``deepseek_v4`` (mixed sliding/compressed attention) plugs in with its
 own attention and :class:`~moeinfra.engine.kv_cache.KVLayout` through :func:`register`.
 """
 
@@ -39,17 +39,21 @@ def register(architecture: Architecture) -> None:
 
 
 def _builtin() -> None:
-    from moeinfra.engine.models import deepseek_v3
+    from moeinfra.engine.models import deepseek_v3, deepseek_v32
 
-    register(
-        Architecture(
-            deepseek_v3.MODEL_TYPE,
-            "DeepseekV3ForCausalLM",
-            deepseek_v3.parse_config,
-            deepseek_v3.kv_layout,
-            deepseek_v3.load,
+    for module, hf_architecture in (
+        (deepseek_v3, "DeepseekV3ForCausalLM"),
+        (deepseek_v32, "DeepseekV32ForCausalLM"),
+    ):
+        register(
+            Architecture(
+                module.MODEL_TYPE,
+                hf_architecture,
+                module.parse_config,
+                module.kv_layout,
+                module.load,
+            )
         )
-    )
 
 
 def architecture(model_type: str, source: str = "config.json") -> Architecture:

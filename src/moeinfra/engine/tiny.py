@@ -31,6 +31,10 @@ from moeinfra.engine.fp8 import quantize
 from moeinfra.errors import InputError
 
 TOKENIZERS = ("deepseek-v3", "bpe")
+ARCHITECTURES = ("deepseek_v3", "deepseek_v32")
+# DeepSeek-V3.2's indexer at tiny size: top-16 of the earlier tokens, so prompts plus outputs of a
+# few dozen tokens attend sparsely (a top-k at least the context would equal dense attention).
+TINY_INDEXER = {"index_n_heads": 16, "index_head_dim": 32, "index_topk": 16}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BPE_VOCAB = 1024
 # DeepSeek-V3's special tokens its chat template writes (ids 0, 1, 2 as in DeepSeek-V3).
@@ -54,8 +58,12 @@ SPECIAL_TOKENS = (
 )
 
 
-def tiny_config(vocab_size: int, dtype: str = "float32") -> dict:
-    """``config.json`` of the tiny model (DeepSeek-V3's keys and value types)."""
+def tiny_config(vocab_size: int, dtype: str = "float32", arch: str = "deepseek_v3") -> dict:
+    """``config.json`` of the tiny model (DeepSeek-V3's keys and value types; DeepSeek-V3.2's
+    adds the indexer's)."""
+    if arch == "deepseek_v32":
+        v32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
+        return tiny_config(vocab_size, dtype) | v32 | TINY_INDEXER
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -142,6 +150,8 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "self_attn.kv_b_proj.weight": linear(heads * (nope + vd), kv_rank),
             p + "self_attn.o_proj.weight": linear(h, heads * vd),
         }
+        if "index_topk" in config:
+            w |= _indexer_weights(p + "self_attn.indexer.", config, linear, g)
         if i < config["first_k_dense_replace"]:
             w |= swiglu(p + "mlp.", config["intermediate_size"])
             continue
@@ -156,21 +166,36 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def quantize_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _indexer_weights(prefix: str, config: dict, linear, g) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3.2's indexer of one layer (``k_norm`` is a LayerNorm with a bias)."""
+    heads, dim = config["index_n_heads"], config["index_head_dim"]
+    return {
+        prefix + "wq_b.weight": linear(heads * dim, config["q_lora_rank"]),
+        prefix + "wk.weight": linear(dim, config["hidden_size"]),
+        prefix + "k_norm.weight": 1.0 + 0.1 * torch.randn(dim, generator=g),
+        prefix + "k_norm.bias": 0.1 * torch.randn(dim, generator=g),
+        prefix + "weights_proj.weight": linear(heads, config["hidden_size"]),
+    }
+
+
+def quantize_fp8(
+    weights: dict[str, torch.Tensor], power_of_two: bool = False
+) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's FP8 layout: every 2-D projection inside the decoder layers as ``float8_e4m3fn``
-    with a ``weight_scale_inv`` per 128x128 block; embeddings, norms, gates and LM head stay as
-    they are (as in DeepSeek's release)."""
+    with a ``weight_scale_inv`` per 128x128 block; embeddings, norms, gates, the indexer's
+    ``weights_proj`` and LM head stay as they are (as in DeepSeek's releases). ``power_of_two``:
+    scales rounded up to powers of two (DeepSeek-V3.2's ``scale_fmt: ue8m0``)."""
     out = {}
     for name, tensor in weights.items():
         keep = (
             tensor.dim() != 2
             or not name.startswith("model.layers.")
-            or name.endswith("mlp.gate.weight")
+            or name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight"))
         )
         if keep:
             out[name] = tensor
             continue
-        out[name], out[name + "_scale_inv"] = quantize(tensor)
+        out[name], out[name + "_scale_inv"] = quantize(tensor, power_of_two=power_of_two)
     return out
 
 
@@ -237,16 +262,20 @@ def init_tiny(
     shards: int = 2,
     overwrite: bool = False,
     config: dict | None = None,
+    arch: str = "deepseek_v3",
 ) -> Path:
-    """Write the tiny checkpoint to ``path`` (a new folder) and return it.
+    """Write the tiny checkpoint of ``arch`` (``deepseek_v3`` or ``deepseek_v32``: with
+    DeepSeek-V3.2's indexer, :data:`TINY_INDEXER`) to ``path`` (a new folder) and return it.
 
     ``config`` replaces keys of :func:`tiny_config` (``hidden_size``, ``num_hidden_layers``,
     ``n_routed_experts``, ``kv_lora_rank``, ...) to write a larger DeepSeek-V3-shaped checkpoint;
     ``vocab_size`` comes from the tokenizer. ``shards=1`` writes one ``model.safetensors`` with no
     index (as ``save_pretrained`` does for small models)."""
     path = Path(path)
+    if arch not in ARCHITECTURES:
+        raise InputError(f"arch={arch!r} is not allowed; use one of {', '.join(ARCHITECTURES)}")
     given = set(config or {})
-    unknown = sorted((given - set(tiny_config(0))) | (given & {"vocab_size"}))
+    unknown = sorted((given - set(tiny_config(0, arch=arch))) | (given & {"vocab_size"}))
     if unknown:
         raise InputError(
             f"config key {unknown[0]!r} cannot be set; use keys of tiny_config() but vocab_size"
@@ -265,7 +294,7 @@ def init_tiny(
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         vocab = write_tokenizer(tmp, tokenizer)
-        config = tiny_config(vocab, dtype) | (config or {})
+        config = tiny_config(vocab, dtype, arch) | (config or {})
         weights = random_weights(config, seed)
         if fp8:
             config["quantization_config"] = {
@@ -274,7 +303,9 @@ def init_tiny(
                 "quant_method": "fp8",
                 "weight_block_size": [128, 128],
             }
-            weights = quantize_fp8(weights)
+            if arch == "deepseek_v32":
+                config["quantization_config"]["scale_fmt"] = "ue8m0"
+            weights = quantize_fp8(weights, power_of_two=arch == "deepseek_v32")
         # FP8 weights and their float32 block scales stay as DeepSeek ships them
         weights = {
             k: t.to(DTYPES[dtype])

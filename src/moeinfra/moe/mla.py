@@ -113,10 +113,19 @@ class MLA(nn.Module):
         """Rotate the RoPE dims ``x [T, ..., qk_rope_head_dim]`` to ``positions [T]``."""
         return rotate_cis(x, self.rotary.cis(positions), self.config.rope_interleave)
 
-    def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> Latent:
-        """ATTN-0 of the absorbed form: ``x [T, H]`` (normed), ``positions [T]`` -> :class:`Latent`."""
+    def q_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, q_lora_rank]``: the normalised low-rank query of ``x [T, H]`` (normed)."""
+        return self.q_norm(self.wq_a(x))
+
+    def project_latent(
+        self, x: torch.Tensor, positions: torch.Tensor, q_latent: torch.Tensor | None = None
+    ) -> Latent:
+        """ATTN-0 of the absorbed form: ``x [T, H]`` (normed), ``positions [T]`` -> :class:`Latent`;
+        ``q_latent``: :meth:`q_latent` of ``x`` when the caller already has it."""
         c, n = self.config, x.shape[0]
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(n, self.heads, c.qk_head_dim)
+        if q_latent is None:
+            q_latent = self.q_latent(x)
+        q = self.wq_b(q_latent).view(n, self.heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         # the shared key rides along as one more head: one rotation for both

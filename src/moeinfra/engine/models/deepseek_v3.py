@@ -16,7 +16,8 @@ from torch import nn
 from moeinfra.engine.attention import mla_layout, paged_mla_attention
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.fp8 import Fp8Linear
-from moeinfra.engine.hf_config import ModelConfig, parse_config
+from moeinfra.engine.hf_config import IndexerConfig, ModelConfig, parse_config
+from moeinfra.engine.indexer import Indexer
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
 from moeinfra.eplb import Plan
 from moeinfra.moe.block import finish
@@ -42,6 +43,13 @@ _ATTENTION = {
     "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
     "self_attn.o_proj.weight": "attn.wo.weight",
 }
+_INDEXER = {
+    "self_attn.indexer.wq_b.weight": "indexer.wq_b.weight",
+    "self_attn.indexer.wk.weight": "indexer.wk.weight",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "indexer.weights_proj.weight",
+}
 _SWIGLU = {
     "gate_proj.weight": "w1.weight",
     "up_proj.weight": "w3.weight",
@@ -50,41 +58,57 @@ _SWIGLU = {
 
 
 class _AttentionBlock(nn.Module):
-    def __init__(self, config: MoEConfig) -> None:
+    """MLA over the paged cache; with an ``indexer`` config (DeepSeek-V3.2), sparse: the layer's
+    lightning indexer chooses which cached tokens each query attends to."""
+
+    def __init__(self, config: MoEConfig, indexer: IndexerConfig | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = MLA(config)
+        self.indexer = Indexer(config, indexer) if indexer is not None else None
         self.moe_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def attention(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache):
-        latent = self.attn.project_latent(self.attn_norm(x), positions_of(segments, x.device))
-        return x + paged_mla_attention(self.attn, latent, segments, cache)
+    def attn0(self, x: torch.Tensor, segments: list[Segment]):
+        """ATTN-0: the :class:`Latent` of ``x [T, H]`` (and the indexer's projections)."""
+        xn, positions = self.attn_norm(x), positions_of(segments, x.device)
+        if self.indexer is None:
+            return self.attn.project_latent(xn, positions)
+        q_latent = self.attn.q_latent(xn)
+        latent = self.attn.project_latent(xn, positions, q_latent)
+        return latent, self.indexer.project(xn, q_latent, self.attn.rotary.cis(positions))
+
+    def attend(self, x: torch.Tensor, projected, segments: list[Segment], cache: LayerCache):
+        """``x`` plus the attention output of ``projected`` (:meth:`attn0`'s)."""
+        if self.indexer is None:
+            return x + paged_mla_attention(self.attn, projected, segments, cache)
+        latent, index = projected
+        topk = self.indexer.config.topk
+        return x + paged_mla_attention(self.attn, latent, segments, cache, index, topk)
 
 
 class DenseBlock(_AttentionBlock):
     """A leading dense layer: MLA + a SwiGLU MLP of ``intermediate_size``."""
 
-    def __init__(self, config: MoEConfig, intermediate_size: int) -> None:
-        super().__init__(config)
+    def __init__(
+        self, config: MoEConfig, intermediate_size: int, indexer: IndexerConfig | None = None
+    ) -> None:
+        super().__init__(config, indexer)
         self.mlp = Expert(config.hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache) -> torch.Tensor:
-        h = self.attention(x, segments, cache)
+        h = self.attend(x, self.attn0(x, segments), segments, cache)
         return finish(h, self.mlp(self.moe_norm(h)))
 
 
 class MoEBlock(_AttentionBlock):
     """An MoE layer's attention stages, in the interface the expert-parallel runtime schedules."""
 
-    def __init__(self, config: MoEConfig, gate: Gate) -> None:
-        super().__init__(config)
+    def __init__(self, config: MoEConfig, gate: Gate, indexer: IndexerConfig | None = None) -> None:
+        super().__init__(config, indexer)
         self.gate = gate  # the same module as the expert-parallel layer's
 
-    def attn0(self, x: torch.Tensor, segments: list[Segment]):
-        return self.attn.project_latent(self.attn_norm(x), positions_of(segments, x.device))
-
-    def attn1(self, x: torch.Tensor, latent, segments: list[Segment], cache: LayerCache):
-        h = x + paged_mla_attention(self.attn, latent, segments, cache)
+    def attn1(self, x: torch.Tensor, projected, segments: list[Segment], cache: LayerCache):
+        h = self.attend(x, projected, segments, cache)
         hn = self.moe_norm(h)
         weights, indices = self.gate(hn)
         return h, hn, weights, indices
@@ -101,9 +125,10 @@ class DeepseekV3(nn.Module):
         self.config = config
         self.embed = nn.Embedding(c.vocab_size, block.hidden_size)
         self.dense = nn.ModuleList(
-            DenseBlock(block, c.intermediate_size) for _ in range(c.first_k_dense_replace)
+            DenseBlock(block, c.intermediate_size, c.indexer)
+            for _ in range(c.first_k_dense_replace)
         )
-        self.moe_blocks = nn.ModuleList(MoEBlock(block, layer.gate) for layer in experts)
+        self.moe_blocks = nn.ModuleList(MoEBlock(block, layer.gate, c.indexer) for layer in experts)
         self.moe = experts
         self.decoder = ExpertParallelDecoder.from_layers(self.moe_blocks, self.moe, comm)
         self.norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
@@ -131,7 +156,9 @@ class DeepseekV3(nn.Module):
 
 
 def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    return mla_layout(config.block, config.num_layers, dtype)
+    """The latent and RoPE key per token and layer (and the index key with an indexer)."""
+    index_dim = config.indexer.head_dim if config.indexer is not None else 0
+    return mla_layout(config.block, config.num_layers, dtype, index_dim)
 
 
 def _load_module(
@@ -226,12 +253,16 @@ def load(
             ExpertParallelMoE.from_experts(block, gate, shared, experts, plan, j, comm)
         )
     model = _to_dtype(DeepseekV3(config, plan, comm, moe_layers), dtype)
+    for block in (*model.dense, *model.moe_blocks):
+        if block.indexer is not None:  # its head weights stay float32 (DeepSeek, transformers)
+            block.indexer.weights_proj.float()
+    attention = dict(_ATTENTION) | (_INDEXER if config.indexer is not None else {})
     for i, dense in enumerate(model.dense):
-        names = dict(_ATTENTION) | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
+        names = attention | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
         _load_module(dense, reader, names, f"model.layers.{i}.", keep_fp8)
     for j, moe_block in enumerate(model.moe_blocks):
         layer = config.first_k_dense_replace + j
-        _load_module(moe_block, reader, _ATTENTION, f"model.layers.{layer}.", keep_fp8)
+        _load_module(moe_block, reader, attention, f"model.layers.{layer}.", keep_fp8)
     _load_module(
         model,
         reader,
