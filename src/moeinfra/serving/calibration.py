@@ -509,33 +509,9 @@ def fit_calibration(
 
 
 def model_spec(config: dict, name: str = "model") -> ModelSpec:
-    """The :class:`ModelSpec` of a DeepSeek-V3-style ``config.json`` (Hugging Face keys)."""
-    try:
-        hidden = int(config["hidden_size"])
-        return ModelSpec(
-            name=name,
-            num_layers=int(config["num_hidden_layers"]),
-            num_dense_layers=min(
-                int(config.get("first_k_dense_replace", 0)), int(config["num_hidden_layers"])
-            ),
-            hidden=hidden,
-            num_heads=int(config["num_attention_heads"]),
-            q_lora_rank=int(config.get("q_lora_rank") or hidden),
-            kv_lora_rank=int(config["kv_lora_rank"]),
-            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-            v_head_dim=int(config["v_head_dim"]),
-            num_routed_experts=int(config["n_routed_experts"]),
-            num_expert_groups=int(config.get("n_group") or 1),
-            experts_per_token=int(config["num_experts_per_tok"]),
-            groups_per_token=int(config.get("topk_group") or 1),
-            num_shared_experts=int(config.get("n_shared_experts") or 0),
-            moe_intermediate=int(config["moe_intermediate_size"]),
-            dense_intermediate=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise InputError(f"config.json of {name}: missing or bad key ({err!r})") from None
+    """The :class:`ModelSpec` of a DeepSeek-V3-style ``config.json`` (Hugging Face keys; a V3.2
+    config's indexer keys make it sparse): :meth:`ModelSpec.from_config`."""
+    return ModelSpec.from_config(config, name)
 
 
 def fit_measurements(path: Path, name: str | None = None) -> Calibration:

@@ -84,6 +84,9 @@ class Efficiency:
     gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682, for the GEMMs the table does not
         list (MoE gate, dense MLPs of the first layers, LM head), with the HBM roofline.
     attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586.
+    sparse_prefill_compute / sparse_decode_compute: FlashMLA's token-level sparse kernels (MLA's
+        MQA mode over the keys DeepSeek Sparse Attention selects), 640 and 410 of 989 BF16 TFLOPS
+        on H800 (README, 2025-09-29; the decode kernel reads an FP8 cache) -> 0.647 / 0.415.
     memory: FlashMLA 3,000 of 3,350 GB/s -> 0.896 (all HBM-bound reads).
     nvlink: DeepEP intranode 153 of 160 GB/s -> 0.956.
     prefill_compute_sms: 108 of 132 SMs compute while 24 run the all-to-all (prefill only).
@@ -134,6 +137,8 @@ class Efficiency:
     )
     gemm: float = 1350.0 / 1979.0
     attention_compute: float = 580.0 / 989.0
+    sparse_prefill_compute: float = 640.0 / 989.0
+    sparse_decode_compute: float = 410.0 / 989.0
     memory: float = 3000.0 / 3350.0
     nvlink: float = 153.0 / 160.0
     prefill_compute_sms: float = 108.0 / 132.0
@@ -195,11 +200,15 @@ TIME_TERMS = (
 DEFAULT_EFFICIENCY = Efficiency()
 
 PARTS = ("attn_proj", "core_attn", "shared", "routed", "gate", "dense_mlp", "dispatch", "combine")
+#: The part a sparse-attention model adds (DeepSeek-V3.2's lightning indexer: its projections, the
+#: FP8 logits of every query against every earlier index key, the top-k over them).
+INDEXER = "indexer"
 
 
 @dataclass(frozen=True)
 class LayerBreakdown:
-    """Per-layer seconds of one step, per part (``parts[name]`` is ``[layers]``), and totals.
+    """Per-layer seconds of one step, per part (``parts[name]`` is ``[layers]``: :data:`PARTS`, and
+    :data:`INDEXER` for a sparse-attention model), and totals.
 
     ``compute`` / ``comm``: ``[layers]`` sums over both micro-batches; ``layer``: max of the two;
     ``step_s``: sum over layers plus ``head_s`` plus ``overhead_s`` (host and launch gaps).
@@ -353,7 +362,7 @@ class PerfModel:
         """FP8 weights resident on one GPU (attention, shared expert, routed slots, dense MLPs, head)."""
         m = self.model
         return float(
-            m.num_layers * m.mla_params
+            m.num_layers * m.attention_params
             + m.num_moe_layers
             * (m.num_shared_experts + self.balance.slots_per_gpu)
             * m.expert_params
@@ -387,6 +396,7 @@ class PerfModel:
         per_micro_batch = (
             2 * nb * m.hidden * 2
             + nb * m.num_heads * (2 * qk + m.v_head_dim) * 2
+            + nb * m.index_n_heads * m.index_head_dim * 2
             + rows
             * (DISPATCH_BYTES_PER_TOKEN + 2 * m.moe_intermediate * 2 + COMBINE_BYTES_PER_TOKEN)
         )
@@ -458,12 +468,94 @@ class PerfModel:
             "expert_up" + kind, tokens, 2 * inter, hidden, sm_fraction, experts
         ) + self._deepgemm("expert_down" + kind, tokens, hidden, inter, sm_fraction, experts)
 
-    def _attention(self, factor: float, flops, kv_bytes, sm_fraction: float = 1.0):
+    def _attention(
+        self, factor: float, flops, kv_bytes, sm_fraction: float = 1.0, compute: float | None = None
+    ):
+        """BF16 attention roofline; ``compute``: the kernel's share of the BF16 peak (default
+        ``attention_compute``, FlashMLA's dense kernels)."""
         hw, eff = self.hw, self.eff
+        share = eff.attention_compute if compute is None else compute
         return factor * np.maximum(
-            flops / (hw.bf16_tflops * 1e12 * eff.attention_compute * sm_fraction),
+            flops / (hw.bf16_tflops * 1e12 * share * sm_fraction),
             kv_bytes / (hw.hbm_tb_per_s * 1e12 * eff.memory),
         )
+
+    # ---- DeepSeek Sparse Attention -----------------------------------------------------------
+    def _indexer(self, queries, keys, key_tokens, sm_fraction: float = 1.0):
+        """Seconds of the lightning indexer for ``queries`` query tokens each scoring ``keys``
+        earlier tokens, whose index keys (``key_tokens`` of them, read once) come from the cache:
+        its projections (FP8 GEMMs: q_lora_rank -> heads x dim, hidden -> dim, hidden -> heads)
+        and its logits — ``2 x heads x dim`` FP8 FLOPs per query and key (DeepGEMM's MQA-logits
+        kernels, at the GEMM efficiency) against reading the index keys and writing and reading
+        one float32 logit per query and key (the top-k selection reads them back). Multiplied by
+        ``gemm_time``: DeepGEMM kernels. Broadcasts."""
+        m = self.model
+        heads, dim = m.index_n_heads, m.index_head_dim
+        projections = self._gemm(2 * queries * m.indexer_params, m.indexer_params, sm_fraction)
+        logits = self._gemm(
+            2 * heads * dim * queries * keys,
+            key_tokens * m.index_key_bytes_per_token_layer + 8 * queries * keys,
+            sm_fraction,
+        )
+        return projections + logits
+
+    def _sparse_mla(self, factor: float, queries, keys, bytes_read, compute: float, sm=1.0):
+        """Seconds of MLA in MQA mode (the absorbed form: 576-dimensional keys, 512-dimensional
+        values shared by every head) for ``queries`` queries over ``min(keys, index_topk)`` keys
+        each; FlashMLA's sparse kernels' ``compute`` share of the BF16 peak."""
+        m = self.model
+        selected = np.minimum(keys, m.index_topk)
+        flops = 2 * m.num_heads * (m.kv_values_per_token_layer + m.kv_lora_rank) * queries
+        return self._attention(factor, flops * selected, bytes_read, sm, compute)
+
+    def _prefill_attention(self, nb: float, keys: float, cached_per_token: float, sm: float):
+        """(MLA projections, core attention, indexer) seconds of a prefill micro-batch of ``nb``
+        tokens attending to ``keys`` keys each. Dense: MHA mode over every key (the cached prefix'
+        latent up-projected). Sparse (V3.2): the indexer, and the cheaper of DeepSeek's two
+        kernels — MLA's MQA mode over the ``index_topk`` selected keys (FlashMLA's sparse prefill;
+        no up-projection of the prefix) or, for short contexts, MHA mode over all of them with the
+        selection as a mask (the report's "masked MHA mode")."""
+        m, eff = self.model, self.eff
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        up_tokens = nb * (1 + cached_per_token)
+        kv_bytes = up_tokens * m.latent_bytes_per_token_layer
+        proj = self._mla_projections(nb, up_tokens, sm)
+        core = self._attention(
+            eff.attention_time, 2 * m.num_heads * (qk + m.v_head_dim) * nb * keys, kv_bytes, sm
+        )
+        if not m.sparse:
+            return proj, core, 0.0
+        indexer = float(self._indexer(nb, keys, up_tokens, sm))
+        sparse_proj = self._mla_projections(nb, nb, sm)
+        sparse = self._sparse_mla(
+            eff.attention_time, nb, keys, kv_bytes, eff.sparse_prefill_compute, sm
+        )
+        if sparse_proj + sparse < proj + core:
+            return sparse_proj, sparse, indexer
+        return proj, core, indexer
+
+    def prefill_attention_weight(self, keys) -> np.ndarray:
+        """Relative prefill cost per token of the work that grows with the keys a token attends
+        to (``keys``, broadcasts), for spreading a step's attention over prompts of different
+        lengths: ``keys`` itself for dense attention (FLOPs proportional to it); for sparse
+        attention the compute time per token and layer of the indexer's logits plus the cheaper
+        core-attention mode (seconds)."""
+        keys = np.asarray(keys, dtype=np.float64)
+        m, hw, eff = self.model, self.hw, self.eff
+        if not m.sparse:
+            return keys
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        bf16 = hw.bf16_tflops * 1e12
+        mha = 2 * m.num_heads * (qk + m.v_head_dim) * keys / (bf16 * eff.attention_compute)
+        mqa = (
+            2
+            * m.num_heads
+            * (m.kv_values_per_token_layer + m.kv_lora_rank)
+            * np.minimum(keys, m.index_topk)
+            / (bf16 * eff.sparse_prefill_compute)
+        )
+        logits = 2 * m.index_n_heads * m.index_head_dim * keys / (hw.fp8_tflops * 1e12 * eff.gemm)
+        return eff.attention_time * np.minimum(mha, mqa) + eff.gemm_time * logits
 
     def _a2a_normal(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP normal kernels."""
@@ -550,14 +642,7 @@ class PerfModel:
         mb = self.dep.micro_batches
         nb = n / mb
         sm = eff.prefill_compute_sms if mb == 2 and self.gpus > 1 else 1.0
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        attn_proj = self._mla_projections(nb, nb * (1 + cached_per_token), sm)
-        core = self._attention(
-            eff.attention_time,
-            2 * m.num_heads * (qk + m.v_head_dim) * nb * keys,
-            nb * (1 + cached_per_token) * 2 * m.kv_values_per_token_layer,
-            sm,
-        )
+        attn_proj, core, indexer = self._prefill_attention(nb, keys, cached_per_token, sm)
         shared = self._experts("", nb, m.num_shared_experts, sm)
         routed = self._experts("_contiguous", self._rows_per_expert(nb), self._slots, sm)
         gate = self._gemm(
@@ -568,7 +653,13 @@ class PerfModel:
         routed, dispatch, combine, sources = self._measured(nb, sm, routed, dispatch, combine)
         parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
         return self._assemble(
-            "prefill", n, mb, *parts, head_tokens=n / max(prompt_len, 1.0), sources=sources
+            "prefill",
+            n,
+            mb,
+            *parts,
+            head_tokens=n / max(prompt_len, 1.0),
+            sources=sources,
+            indexer=indexer if m.sparse else None,
         )
 
     def prefill_seconds_per_token(
@@ -595,6 +686,7 @@ class PerfModel:
         parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float), q)
         nb = batch_per_gpu * q / self.dep.micro_batches
         routed, dispatch, combine, sources = self._measured(nb, 1.0, *parts[3:4], *parts[6:8])
+        indexer = parts[8]
         parts = (*parts[:3], routed, *parts[4:6], dispatch, combine)
         return self._assemble(
             "decode",
@@ -603,6 +695,7 @@ class PerfModel:
             *parts,
             head_tokens=batch_per_gpu * q,
             sources=sources,
+            indexer=indexer if self.model.sparse else None,
         )
 
     def _measured(self, tokens: float, sm_fraction: float, routed, dispatch, combine):
@@ -668,7 +761,9 @@ class PerfModel:
         """Per micro-batch parts of a decode step of ``b`` requests per GPU, each with ``queries``
         new tokens (2 when a multi-token-prediction draft is verified) over its ``kv`` cached
         keys: the GEMMs, the all-to-all and the attention FLOPs grow with the tokens, the KV read
-        does not."""
+        does not (dense attention; sparse attention reads each query's ``index_topk`` selected
+        latents, and the request's index keys once). The eight :data:`PARTS`, then the indexer
+        (0 when dense)."""
         m = self.model
         mb = self.dep.micro_batches
         nb = b / mb
@@ -677,11 +772,22 @@ class PerfModel:
         grid, attn_curve, shared_curve, routed_curve = self._decode_gemm_curves
         attn_proj = np.interp(log_tokens, grid, attn_curve)
         kv_vals = m.kv_values_per_token_layer
-        core = self._attention(
-            self.eff.decode_attention_time,
-            2 * m.num_heads * (kv_vals + m.kv_lora_rank) * tokens * kv,
-            nb * kv * 2 * kv_vals,
-        )
+        if m.sparse:
+            core = self._sparse_mla(
+                self.eff.decode_attention_time,
+                tokens,
+                kv,
+                tokens * np.minimum(kv, m.index_topk) * m.latent_bytes_per_token_layer,
+                self.eff.sparse_decode_compute,
+            )
+            indexer = self._indexer(tokens, kv, nb * kv)
+        else:
+            core = self._attention(
+                self.eff.decode_attention_time,
+                2 * m.num_heads * (kv_vals + m.kv_lora_rank) * tokens * kv,
+                nb * kv * m.latent_bytes_per_token_layer,
+            )
+            indexer = 0.0 * tokens
         shared = np.interp(log_tokens, grid, shared_curve)
         routed = np.interp(log_tokens, grid, routed_curve)
         gate = self._gemm(
@@ -691,7 +797,7 @@ class PerfModel:
         dispatch, combine = (
             self._a2a_low_latency(tokens) if self.gpus > 1 else (0.0 * tokens, 0.0 * tokens)
         )
-        return attn_proj, core, shared, routed, gate, dense, dispatch, combine
+        return attn_proj, core, shared, routed, gate, dense, dispatch, combine, indexer
 
     def decode_step_s(
         self, batch_per_gpu, mean_kv, request_imbalance=1.0, kv_imbalance=1.0, queries=None
@@ -708,13 +814,15 @@ class PerfModel:
         kv = np.asarray(mean_kv, dtype=np.float64) * (kv_imbalance / request_imbalance)
         m = self.model
         mb = self.dep.micro_batches
-        attn_proj, core, shared, routed, gate, dense, dispatch, combine = self._decode_parts(
-            b, kv, queries
+        attn_proj, core, shared, routed, gate, dense, dispatch, combine, indexer = (
+            self._decode_parts(b, kv, queries)
         )
         if self.kernels is not None:
             routed, dispatch, combine = self._measured_many(
                 b * queries / mb, routed, dispatch, combine
             )
+        if m.sparse:  # dense models add nothing: their numbers stay bit for bit
+            core = core + indexer
         moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
         dense_layer = mb * (attn_proj + core + dense)
         head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)
@@ -738,7 +846,10 @@ class PerfModel:
         *,
         head_tokens,
         sources: dict[str, str] | None = None,
+        indexer=None,
     ) -> LayerBreakdown:
+        """The step of per-micro-batch part seconds; ``indexer``: the sparse-attention indexer's
+        (None for dense attention: no such part)."""
         m = self.model
         layers = m.num_layers
         is_moe = np.arange(layers) >= m.num_dense_layers
@@ -753,11 +864,15 @@ class PerfModel:
             "dispatch": np.where(is_moe, mb * f(dispatch), 0.0),
             "combine": np.where(is_moe, mb * f(combine), 0.0),
         }
-        compute = sum(parts[p] for p in PARTS[:6])
+        attention = f(attn_proj) + f(core) + f(gate)
+        if indexer is not None:
+            parts = {"attn_proj": parts["attn_proj"], INDEXER: np.full(layers, mb * f(indexer))} | {
+                k: v for k, v in parts.items() if k != "attn_proj"
+            }
+            attention += f(indexer)
+        compute = sum(v for k, v in parts.items() if k not in ("dispatch", "combine"))
         comm = parts["dispatch"] + parts["combine"]
-        moe_layer = _overlapped(
-            mb, f(attn_proj) + f(core) + f(gate), f(shared) + f(routed), f(dispatch), f(combine)
-        )
+        moe_layer = _overlapped(mb, attention, f(shared) + f(routed), f(dispatch), f(combine))
         layer = np.where(is_moe, moe_layer, compute)
         head = float(self._gemm(2 * head_tokens * m.hidden * m.vocab, m.hidden * m.vocab))
         overhead = self.eff.step_overhead_s

@@ -1,21 +1,38 @@
 """What is being served on what: model shape, GPU/node hardware, and a prefill or decode deployment unit.
 
-Presets: :data:`DEEPSEEK_V3` (published config), :data:`HARDWARE` (``h800`` with DeepSeek's published
-figures, ``h100``/``h200``/``b200`` with vendor peak figures), :func:`deepseek_prefill_unit` and
-:func:`deepseek_decode_unit` (the units DeepSeek described on 2025-02-28).
+Presets: :data:`MODELS` (``deepseek-v3`` and ``deepseek-v3.2``, each built from DeepSeek's published
+``config.json``, shipped as data: :func:`model`), :data:`HARDWARE` (``h800`` with DeepSeek's
+published figures, ``h100``/``h200``/``b200`` with vendor peak figures), :func:`deepseek_prefill_unit`
+and :func:`deepseek_decode_unit` (the units DeepSeek described on 2025-02-28).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from importlib import resources
 
 from moeinfra.errors import InputError
 
 
+#: KV-cache storage formats (``kv_cache_dtype``): ``bf16`` (every cached value in 2 bytes) or
+#: ``fp8`` as vLLM and SGLang store DeepSeek's caches (``--kv-cache-dtype fp8``): a dense MLA latent
+#: of 576 FP8 values (one scale per tensor); a sparse-attention model's latent in FlashMLA's
+#: ``fp8_ds_mla`` layout (512 FP8 values, 4 float32 scales, 64 BF16 RoPE values: 656 bytes) and its
+#: index key as FP8 with one float32 scale per 128 values (132 bytes for 128 dimensions).
+KV_CACHE_DTYPES = ("bf16", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A DeepSeek-V3-style MLA + MoE transformer (dimensions in elements, not bytes)."""
+    """A DeepSeek-V3-style MLA + MoE transformer (dimensions in elements, not bytes).
+
+    ``index_n_heads`` / ``index_head_dim`` / ``index_topk``: DeepSeek Sparse Attention's lightning
+    indexer (V3.2: 64 heads of 128 dimensions, top 2,048 tokens); 0 for dense attention (V3).
+    ``kv_cache_dtype``: how the cache is stored (:data:`KV_CACHE_DTYPES`), a choice of the serving
+    engine rather than of the architecture, kept here because every byte count reads it.
+    """
 
     name: str = "deepseek-v3"
     num_layers: int = 61
@@ -35,6 +52,10 @@ class ModelSpec:
     moe_intermediate: int = 2048
     dense_intermediate: int = 18432
     vocab: int = 129_280
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    kv_cache_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,6 +71,63 @@ class ModelSpec:
             raise InputError(
                 f"ModelSpec.num_dense_layers={self.num_dense_layers} must be in 0..{self.num_layers}"
             )
+        indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if min(indexer) < 0 or (any(indexer) and not all(indexer)):
+            raise InputError(
+                f"ModelSpec index_n_heads={self.index_n_heads}, index_head_dim="
+                f"{self.index_head_dim}, index_topk={self.index_topk}: all > 0 (sparse attention) "
+                "or all 0 (dense)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InputError(
+                f"ModelSpec.kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model") -> ModelSpec:
+        """The spec of a DeepSeek-V3-style ``config.json`` (Hugging Face keys; a V3.2 config's
+        ``index_n_heads``, ``index_head_dim`` and ``index_topk`` make it sparse). Raises
+        InputError naming a missing or bad key."""
+        try:
+            hidden = int(config["hidden_size"])
+            layers = int(config["num_hidden_layers"])
+            return cls(
+                name=name,
+                num_layers=layers,
+                num_dense_layers=min(int(config.get("first_k_dense_replace", 0)), layers),
+                hidden=hidden,
+                num_heads=int(config["num_attention_heads"]),
+                q_lora_rank=int(config.get("q_lora_rank") or hidden),
+                kv_lora_rank=int(config["kv_lora_rank"]),
+                qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+                v_head_dim=int(config["v_head_dim"]),
+                num_routed_experts=int(config["n_routed_experts"]),
+                num_expert_groups=int(config.get("n_group") or 1),
+                experts_per_token=int(config["num_experts_per_tok"]),
+                groups_per_token=int(config.get("topk_group") or 1),
+                num_shared_experts=int(config.get("n_shared_experts") or 0),
+                moe_intermediate=int(config["moe_intermediate_size"]),
+                dense_intermediate=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+                index_n_heads=int(config.get("index_n_heads") or 0),
+                index_head_dim=int(config.get("index_head_dim") or 0),
+                index_topk=int(config.get("index_topk") or 0),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"config.json of {name}: missing or bad key ({err!r})") from None
+
+    def with_kv_cache_dtype(self, dtype: str) -> ModelSpec:
+        """This model with its cache stored as ``dtype`` (:data:`KV_CACHE_DTYPES`)."""
+        if dtype not in KV_CACHE_DTYPES:
+            raise InputError(f"kv_cache_dtype={dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        return replace(self, kv_cache_dtype=dtype)
+
+    @property
+    def sparse(self) -> bool:
+        """True for DeepSeek Sparse Attention (a lightning indexer selects ``index_topk`` keys)."""
+        return self.index_topk > 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -68,6 +146,19 @@ class ModelSpec:
         )
 
     @property
+    def indexer_params(self) -> int:
+        """Parameters of one layer's lightning indexer (0 when dense): its query up-projection
+        (q_lora_rank -> heads x head_dim), key projection (hidden -> head_dim) and per-head weight
+        projection (hidden -> heads); 13.96M for V3.2."""
+        heads, dim = self.index_n_heads, self.index_head_dim
+        return self.q_lora_rank * heads * dim + self.hidden * dim + self.hidden * heads
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: MLA's projections plus the indexer's."""
+        return self.mla_params + self.indexer_params
+
+    @property
     def expert_params(self) -> int:
         """Parameters of one (routed or shared) expert: gate, up and down projections."""
         return 3 * self.hidden * self.moe_intermediate
@@ -82,16 +173,41 @@ class ModelSpec:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def latent_bytes_per_token_layer(self) -> int:
+        """Bytes of one token's MLA latent (with its RoPE key) in one layer's cache: 1,152 in
+        BF16; in FP8 576 (dense) or 656 (sparse, FlashMLA's ``fp8_ds_mla``: 512 FP8 values, 4
+        float32 scales, 64 BF16 RoPE values)."""
+        if self.kv_cache_dtype == "bf16":
+            return 2 * self.kv_values_per_token_layer
+        if self.sparse:
+            groups = math.ceil(self.kv_lora_rank / 128)
+            return self.kv_lora_rank + 4 * groups + 2 * self.qk_rope_head_dim
+        return self.kv_values_per_token_layer
+
+    @property
+    def index_key_bytes_per_token_layer(self) -> int:
+        """Bytes of one token's index key in one layer's cache (0 when dense): 256 in BF16, 132 in
+        FP8 (128 FP8 values and one float32 scale per 128, as vLLM and SGLang store it)."""
+        if not self.sparse:
+            return 0
+        if self.kv_cache_dtype == "bf16":
+            return 2 * self.index_head_dim
+        return self.index_head_dim + 4 * math.ceil(self.index_head_dim / 128)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """BF16 KV-cache bytes per token over all layers (1,152 x 61 = 70,272 for V3)."""
-        return 2 * self.kv_values_per_token_layer * self.num_layers
+        """KV-cache bytes per token over all layers: latent + index key per layer x layers. BF16:
+        1,152 x 61 = 70,272 for V3, (1,152 + 256) x 61 = 85,888 for V3.2; FP8: 576 x 61 = 35,136
+        for V3, (656 + 132) x 61 = 48,068 for V3.2."""
+        per_layer = self.latent_bytes_per_token_layer + self.index_key_bytes_per_token_layer
+        return per_layer * self.num_layers
 
     @property
     def activated_params(self) -> int:
         """Parameters touched per token (without embeddings), ~37B for V3."""
         per_moe = (self.num_shared_experts + self.experts_per_token) * self.expert_params
         return (
-            self.num_layers * self.mla_params
+            self.num_layers * self.attention_params
             + self.num_moe_layers * per_moe
             + (self.num_dense_layers * self.dense_mlp_params)
             + self.hidden * self.vocab
@@ -134,7 +250,29 @@ class HardwareSpec:
         return self.gpu_hour_usd * self.gpus_per_node
 
 
-DEEPSEEK_V3 = ModelSpec()
+def published_config(name: str) -> dict:
+    """DeepSeek's released ``config.json`` ``name`` (``deepseek-v3``, ``deepseek-v3.2-exp``) as the
+    engine ships it (``moeinfra/engine/data/configs/``), read as a file: the engine package is not
+    imported."""
+    path = resources.files("moeinfra").joinpath(f"engine/data/configs/{name}.json")
+    return json.loads(path.read_text())
+
+
+#: Architectures served, each from DeepSeek's published ``config.json``: DeepSeek-V3 (also
+#: V3.1-Terminus, R1: the same shape) and DeepSeek-V3.2 (V3.2-Exp's config: V3 plus the indexer).
+MODELS: dict[str, ModelSpec] = {
+    "deepseek-v3": ModelSpec.from_config(published_config("deepseek-v3"), "deepseek-v3"),
+    "deepseek-v3.2": ModelSpec.from_config(published_config("deepseek-v3.2-exp"), "deepseek-v3.2"),
+}
+DEEPSEEK_V3 = MODELS["deepseek-v3"]
+DEEPSEEK_V32 = MODELS["deepseek-v3.2"]
+
+
+def model(name: str, kv_cache_dtype: str = "bf16") -> ModelSpec:
+    """The architecture called ``name`` (:data:`MODELS`), its cache stored as ``kv_cache_dtype``."""
+    if name not in MODELS:
+        raise InputError(f"model={name!r} is not one of {', '.join(MODELS)}")
+    return MODELS[name].with_kv_cache_dtype(kv_cache_dtype)
 
 HARDWARE: dict[str, HardwareSpec] = {
     # DeepSeek's published H800 figures (REFERENCE.md "Hardware and kernel figures").
