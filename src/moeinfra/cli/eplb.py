@@ -15,20 +15,21 @@ from moeinfra.cli.options import input_file, output_file
 from moeinfra.eplb import POLICIES, Plan, evaluate, migration, rebalance
 from moeinfra.eplb.loadfile import read_load
 from moeinfra.errors import InputError
+from moeinfra.numfmt import format_number, percent
 
 app = typer.Typer(
     help="Expert-parallelism load balancer: plan, evaluate, show, benchmark.", no_args_is_help=True
 )
 
 _SUMMARY_ROWS = [
-    ("balancedness", "balancedness (mean/max GPU load)", "{:.4f}"),
-    ("max_over_mean", "max/mean GPU load", "{:.4f}"),
-    ("mean_gap_to_lower_bound", "mean gap to lower bound", "{:.2%}"),
-    ("max_gap_to_lower_bound", "worst layer gap to lower bound", "{:.2%}"),
-    ("duplicates", "duplicate replicas on one GPU", "{}"),
-    ("remote_pair_fraction", "token-expert pairs leaving their node", "{:.3f}"),
-    ("nodes_per_token", "nodes a token is sent to", "{:.3f}"),
-    ("gpus_per_token", "GPUs a token is sent to", "{:.3f}"),
+    ("balancedness", "balancedness (mean/max GPU load)", format_number),
+    ("max_over_mean", "max/mean GPU load", format_number),
+    ("mean_gap_to_lower_bound", "mean gap to lower bound", percent),
+    ("max_gap_to_lower_bound", "worst layer gap to lower bound", percent),
+    ("duplicates", "duplicate replicas on one GPU", format_number),
+    ("remote_pair_fraction", "token-expert pairs leaving their node", format_number),
+    ("nodes_per_token", "nodes a token is sent to", format_number),
+    ("gpus_per_token", "GPUs a token is sent to", format_number),
 ]
 
 
@@ -38,7 +39,7 @@ def _summary_table(title: str, columns: dict[str, dict]) -> Table:
     for name in columns:
         table.add_column(name, justify="right")
     for key, label, fmt in _SUMMARY_ROWS:
-        table.add_row(label, *(fmt.format(summary[key]) for summary in columns.values()))
+        table.add_row(label, *(fmt(summary[key]) for summary in columns.values()))
     return table
 
 
@@ -118,15 +119,18 @@ def plan(
         return
     console = Console()
     console.print(
-        _summary_table(f"plan computed in {elapsed_ms:.1f} ms", {policy: ours, "deepseek": theirs})
+        _summary_table(
+            f"plan computed in {format_number(elapsed_ms)} ms", {policy: ours, "deepseek": theirs}
+        )
     )
     if "layer_policy" in payload:
         console.print(f"layers by kind: {payload['layer_policy']}")
     if "migration" in payload:
         info = payload["migration"]
         console.print(
-            f"migration: {info['slots_changed']} slots changed ({info['slots_fraction']:.1%}), "
-            f"{info['transfers']} transfers, {info['bytes'] / 1e9:.2f} GB"
+            f"migration: {format_number(info['slots_changed'])} slots changed "
+            f"({percent(info['slots_fraction'])}), {format_number(info['transfers'])} transfers, "
+            f"{format_number(info['bytes'] / 1e9)} GB"
         )
     typer.echo(f"plan written to {out}")  # plain: a long path is not wrapped
 
@@ -228,6 +232,6 @@ def warm() -> None:
             f"compiling the EPLB kernels failed: {proc.stderr.strip().splitlines()[-1]}"
         )
     typer.echo(
-        f"EPLB kernels compiled into numba's cache in {time.perf_counter() - start:.1f} s "
+        f"EPLB kernels compiled into numba's cache in {format_number(time.perf_counter() - start)} s "
         f"(marker {proc.stdout.strip()})"
     )

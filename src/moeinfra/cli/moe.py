@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeinfra.numfmt import format_number, percent
+
 app = typer.Typer(
     help="Expert-parallel DeepSeek-V3 MoE with redundant experts and dual micro-batch overlap.",
     no_args_is_help=True,
@@ -61,33 +63,40 @@ def run(
         typer.echo(json.dumps(result, indent=2))
         return
     console = Console()
-    table = Table(title=f"moe run: {world_size} ranks, {tokens} tokens/rank, overlap={overlap}")
+    table = Table(
+        title=f"moe run: {world_size} ranks, {format_number(tokens)} tokens/rank, overlap={overlap}"
+    )
     table.add_column("rank", justify="right")
     table.add_column("step time (ms)", justify="right")
     table.add_column("comm hidden", justify="right")
     for rank, (t, f) in enumerate(
         zip(result["per_rank_time_s"], result["per_rank_comm_hidden_fraction"], strict=True)
     ):
-        table.add_row(str(rank), f"{t * 1e3:.2f}", "-" if f is None else f"{f:.1%}")
+        table.add_row(str(rank), format_number(t * 1e3), "-" if f is None else percent(f))
     console.print(table)
     steps_ms = [t * 1e3 for t in result["step_times_s"]]
     console.print(
-        f"step time, slowest rank: median {result['step_time_s'] * 1e3:.2f} ms "
-        f"(min {min(steps_ms):.2f}, max {max(steps_ms):.2f} over {len(steps_ms)} steps)"
+        f"step time, slowest rank: median {format_number(result['step_time_s'] * 1e3)} ms "
+        f"(min {format_number(min(steps_ms))}, max {format_number(max(steps_ms))} "
+        f"over {format_number(len(steps_ms))} steps)"
     )
     load = result["expert_load"]
-    console.print(f"expert load (layer 0, tokens per expert): {load[0]}")
-    console.print(f"max abs error vs reference: {result['max_abs_error_vs_reference']:.3g}")
+    # Space-separated: thousands separators would be ambiguous in a comma-separated list.
+    tokens_per_expert = " ".join(format_number(n) for n in load[0])
+    console.print(f"expert load (layer 0, tokens per expert): {tokens_per_expert}")
     console.print(
-        f"after EPLB rebalance + weight migration ({result['experts_migrated']} experts moved): "
-        f"max abs error {result['max_abs_error_after_rebalance']:.3g}"
+        f"max abs error vs reference: {format_number(result['max_abs_error_vs_reference'])}"
     )
     console.print(
-        f"balancedness: {result['balancedness_before']:.4f} before, "
-        f"{result['balancedness_after']:.4f} after rebalance"
+        f"after EPLB rebalance + weight migration ({format_number(result['experts_migrated'])} "
+        f"experts moved): max abs error {format_number(result['max_abs_error_after_rebalance'])}"
+    )
+    console.print(
+        f"balancedness: {format_number(result['balancedness_before'])} before, "
+        f"{format_number(result['balancedness_after'])} after rebalance"
     )
     hidden = result["comm_hidden_fraction"]
-    console.print(f"communication hidden: {'-' if hidden is None else f'{hidden:.1%}'}")
+    console.print(f"communication hidden: {'-' if hidden is None else percent(hidden)}")
     # Paths and commands as plain lines: never wrapped to the terminal, so they can be pasted.
     if trace is not None:
         typer.echo(f"trace written to {result['trace']}")

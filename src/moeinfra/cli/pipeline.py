@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from moeinfra.numfmt import format_number
+
 app = typer.Typer(
     help="Pipeline schedules (GPipe, 1F1B, ZB1P, DualPipe, DualPipeV): simulate, compare.",
     no_args_is_help=True,
@@ -66,22 +68,24 @@ def simulate(
     from rich.table import Table
 
     table = Table(
-        title=f"{sched.name}: {sched.num_ranks} ranks, {sched.num_stages} stages, {sched.num_microbatches} micro-batches, {comm}"
+        title=f"{sched.name}: {format_number(sched.num_ranks)} ranks, "
+        f"{format_number(sched.num_stages)} stages, "
+        f"{format_number(sched.num_microbatches)} micro-batches, {comm}"
     )
     for col in ("rank", "busy", "idle", "peak act.", "deferred W", "stages held"):
         table.add_column(col, justify="right")
     for r in result.per_rank:
         table.add_row(
             str(r.rank),
-            f"{r.busy:g}",
-            f"{r.idle:g}",
-            str(r.peak_activations),
-            str(r.peak_deferred_w),
-            str(r.params),
+            format_number(r.busy),
+            format_number(r.idle),
+            format_number(r.peak_activations),
+            format_number(r.peak_deferred_w),
+            format_number(r.params),
         )
     console = Console(width=max(Console().width, 110))
     console.print(table)
-    console.print(f"makespan {result.makespan:g}")
+    console.print(f"makespan {format_number(result.makespan)}")
 
 
 @app.command("validate")
@@ -94,7 +98,9 @@ def validate_file(
     sched = Schedule.load(path)
     validate(sched)
     typer.echo(
-        f"ok: {sched.name}, {sched.num_ranks} ranks, {sched.num_stages} stages, {sched.num_microbatches} micro-batches"
+        f"ok: {sched.name}, {format_number(sched.num_ranks)} ranks, "
+        f"{format_number(sched.num_stages)} stages, "
+        f"{format_number(sched.num_microbatches)} micro-batches"
     )
 
 
@@ -130,7 +136,10 @@ def compare(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{ranks} devices, {microbatches} micro-batches, costs {costs} ({comm})")
+    table = Table(
+        title=f"{format_number(ranks)} devices, {format_number(microbatches)} micro-batches, "
+        f"costs {costs} ({comm})"
+    )
     for col in (
         "schedule",
         "stages",
@@ -149,12 +158,12 @@ def compare(
         mark = "*" if c.schedule == best else ""
         table.add_row(
             c.schedule + mark,
-            str(d["stages"]),
-            f"{d['makespan']:g}",
-            f"{d['max_idle']:g}",
-            f"{100 * d['bubble_fraction']:.1f}",
-            f"{d['activation_memory']:g}",
-            f"{d['param_memory']:g}",
+            format_number(d["stages"]),
+            format_number(d["makespan"]),
+            format_number(d["max_idle"]),
+            format_number(100 * d["bubble_fraction"]),
+            format_number(d["activation_memory"]),
+            format_number(d["param_memory"]),
         )
     console = Console(width=max(Console().width, 110))
     console.print(table)

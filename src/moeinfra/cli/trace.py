@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moeinfra.numfmt import format_number, percent
 from moeinfra.trace.attribution import DEFAULT_PHASE_PATTERN
 
 app = typer.Typer(
@@ -50,8 +51,12 @@ def _parse_zoom(zoom: str | None) -> tuple[float, float] | None:
     return lo, hi
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else format_number(value)
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else percent(fraction)
 
 
 def _us_to_ns(name: str, value_us: float) -> int:
@@ -153,7 +158,7 @@ def _print_report(result, output: Path | None) -> None:
                 _fmt(dev["exposed_comm_us"]),
                 _fmt(dev["exposed_memory_us"]),
                 _fmt(dev["idle_us"]),
-                "-" if hidden is None else f"{100 * hidden:.1f}%",
+                _pct(hidden),
             )
         console.print(summary)
     where = f"step {doc['step']}, " if doc["step"] is not None else ""
@@ -183,9 +188,7 @@ def _print_report(result, output: Path | None) -> None:
                 continue
             table.add_row(label, _fmt(value), _fmt(100 * value / span))
         hidden = dev["comm_hidden_fraction"]
-        table.caption = "communication hidden: " + (
-            "-" if hidden is None else f"{100 * hidden:.1f}%"
-        )
+        table.caption = f"communication hidden: {_pct(hidden)}"
         console.print(table)
 
         streams = Table(title="busy time per stream (µs)")
@@ -196,13 +199,11 @@ def _print_report(result, output: Path | None) -> None:
         console.print(streams)
 
         if dev["sm_share"]:
-            sm = Table(title=f"SM use per class ({dev['num_sms']} SMs, from args.grid)")
+            sm = Table(title=f"SM use per class ({_fmt(dev['num_sms'])} SMs, from args.grid)")
             for col in ("class", "share of SM-time", "mean SMs while running", "max SMs"):
                 sm.add_column(col, justify="right" if col != "class" else "left")
             for cls, v in dev["sm_share"].items():
-                sm.add_row(
-                    cls, f"{100 * v['sm_share']:.1f}%", f"{v['mean_sms']:.1f}", str(v["max_sms"])
-                )
+                sm.add_row(cls, percent(v["sm_share"]), _fmt(v["mean_sms"]), _fmt(v["max_sms"]))
             console.print(sm)
 
         if "phases" in dev:
@@ -215,7 +216,7 @@ def _print_report(result, output: Path | None) -> None:
                     _fmt(v["compute_us"]),
                     _fmt(v["comm_us"]),
                     _fmt(v["memory_us"]),
-                    str(v["ops"]),
+                    _fmt(v["ops"]),
                 )
             console.print(ph)
             names = list(dev["phase_overlap"])
@@ -254,7 +255,7 @@ def _print_report(result, output: Path | None) -> None:
         )
     if doc["skipped"]:
         console.print(
-            "skipped events: " + ", ".join(f"{k}: {v}" for k, v in doc["skipped"].items())
+            "skipped events: " + ", ".join(f"{k}: {_fmt(v)}" for k, v in doc["skipped"].items())
         )
     if output is not None:
         console.print(f"timeline written to {output}")
@@ -295,7 +296,9 @@ def kernels(
             )
         )
         return
-    table = Table(title=f"GPU time per {by} (top {min(top, len(stats))} of {len(stats)})")
+    table = Table(
+        title=f"GPU time per {by} (top {_fmt(min(top, len(stats)))} of {_fmt(len(stats))})"
+    )
     for col in (
         "name",
         "class",
@@ -318,9 +321,9 @@ def kernels(
         table.add_row(
             name,
             s.op_class,
-            str(s.count),
+            _fmt(s.count),
             _fmt(s.total_us),
-            f"{100 * s.share:.1f}%",
+            percent(s.share),
             _fmt(s.mean_us),
             _fmt(s.min_us),
             _fmt(s.max_us),
@@ -363,8 +366,7 @@ def diff(
         for col in ("metric", "A", "B", "B − A"):
             table.add_column(col, justify="left" if col == "metric" else "right")
         for m, v in dev["metrics"].items():
-            digits = 3 if m == "comm_hidden_fraction" else 1
-            table.add_row(m, _fmt(v["a"], digits), _fmt(v["b"], digits), _fmt(v["delta"], digits))
+            table.add_row(m, _fmt(v["a"]), _fmt(v["b"]), _fmt(v["delta"]))
         console.print(table)
     table = Table(title="kernels with the largest change in total time (µs)")
     for col in (
@@ -439,13 +441,13 @@ def steps(
             str(r["rank"]),
             f"{r['step']}{' (last)' if r['last'] else ''}",
             _fmt(r["dur_us"]),
-            str(r["gpu_ops"]),
+            _fmt(r["gpu_ops"]),
             _fmt(r.get("span_us")),
             _fmt(r.get("compute_us")),
             _fmt(r.get("exposed_comm_us")),
             _fmt(r.get("idle_us")),
             _fmt(r.get("host_wait_us")),
-            "-" if hidden is None else f"{100 * hidden:.1f}%",
+            _pct(hidden),
         ]
         if several:
             cells.insert(2, "-" if r["device"] is None else str(r["device"]))
@@ -490,18 +492,18 @@ def idle(
     where = f"step {step}: " if step is not None else ""
     for title, rows in (("device (all streams)", devices), ("stream", streams)):
         table = Table(
-            title=f"{where}idle time per {title} (µs; kernel wait = gap < {kernel_wait_us:g} µs)"
+            title=f"{where}idle time per {title} (µs; kernel wait = gap < {_fmt(kernel_wait_us)} µs)"
         )
         for col in ("rank", "GPU", "stream", "ops", "span", "idle", *IDLE_CATEGORIES, "h/k/o %"):
             table.add_column(col.replace("_", " "), justify="right")
         for r in rows:
             total = r.total_idle_ns
-            shares = "/".join(f"{100 * x / total:.0f}" if total else "-" for x in r.idle_ns)
+            shares = "/".join(_fmt(100 * x / total) if total else "-" for x in r.idle_ns)
             table.add_row(
                 str(r.rank),
                 str(r.device),
                 "all" if r.stream is None else str(r.stream),
-                str(r.ops),
+                _fmt(r.ops),
                 _fmt(r.span_ns * 1e-3),
                 _fmt(total * 1e-3),
                 *(_fmt(x * 1e-3) for x in r.idle_ns),
@@ -555,7 +557,8 @@ def launches(
     for s in stats:
         d = s.to_dict()
         table = Table(
-            title=f"{where}rank {s.rank}: {s.launches} of {s.gpu_ops} GPU ops joined to a launch call (µs)"
+            title=f"{where}rank {s.rank}: {_fmt(s.launches)} of {_fmt(s.gpu_ops)} GPU ops joined "
+            "to a launch call (µs)"
         )
         for col in ("", "mean", "p50", "p95", "max"):
             table.add_column(col, justify="left" if not col else "right")
@@ -570,18 +573,19 @@ def launches(
             )
         console.print(table)
         console.print(
-            f"short kernels (GPU op shorter than its launch call, call <= {runtime_cutoff_us:g} µs): "
-            f"{s.short_kernels} ({_fmt(d['short_kernel_gpu_us'])} µs of GPU time); "
-            f"launch calls > {runtime_cutoff_us:g} µs: {s.runtime_outliers}; "
-            f"launch delay > {launch_delay_cutoff_us:g} µs: {s.launch_delay_outliers}"
-            + (f"; negative delays clipped to 0: {s.clipped}" if s.clipped else "")
+            "short kernels (GPU op shorter than its launch call, "
+            f"call <= {_fmt(runtime_cutoff_us)} µs): "
+            f"{_fmt(s.short_kernels)} ({_fmt(d['short_kernel_gpu_us'])} µs of GPU time); "
+            f"launch calls > {_fmt(runtime_cutoff_us)} µs: {_fmt(s.runtime_outliers)}; "
+            f"launch delay > {_fmt(launch_delay_cutoff_us)} µs: {_fmt(s.launch_delay_outliers)}"
+            + (f"; negative delays clipped to 0: {_fmt(s.clipped)}" if s.clipped else "")
         )
         if s.short_by_name and top:
             names = Table(title="most frequent short kernels")
             for col in ("name", "count", "GPU µs"):
                 names.add_column(col, justify="left" if col == "name" else "right")
             for n, c, g in s.short_by_name:
-                names.add_row(display_name(n, 70), str(c), _fmt(g * 1e-3))
+                names.add_row(display_name(n, 70), _fmt(c), _fmt(g * 1e-3))
             console.print(names)
         if s.worst and top:
             worst = Table(title="longest launch delays (op start from the first GPU op)")
@@ -660,7 +664,7 @@ def queue(
         "p75",
         "max",
         "time-weighted mean",
-        f"µs at >= {max_queue_length}",
+        f"µs at >= {_fmt(max_queue_length)}",
     ):
         table.add_column(col, justify="right")
     for q in summaries:
@@ -668,12 +672,12 @@ def queue(
             str(q.rank),
             str(q.device),
             str(q.stream),
-            str(q.changes),
-            f"{q.mean:.2f}",
+            _fmt(q.changes),
+            _fmt(q.mean),
             _fmt(q.p50),
             _fmt(q.p75),
-            str(q.max),
-            f"{q.time_mean:.2f}",
+            _fmt(q.max),
+            _fmt(q.time_mean),
             _fmt(q.time_at_max_ns * 1e-3),
         )
     console.print(table)
