@@ -85,6 +85,14 @@ def test_generate_chat_on_the_default_checkpoint(tmp_path):
         (["init-tiny", "/tmp/x", "--set", "vocab_size=9"], "config key 'vocab_size' cannot be set"),
         (["init-tiny", "/tmp/x", "--set", "hidden_size"], "--set 'hidden_size' must be KEY=VALUE"),
         (
+            ["generate", "-p", "x", "--speculative-tokens", "9"],
+            "--speculative-tokens=9 must be in 0..8",
+        ),
+        (
+            ["generate", "-p", "x", "--speculative-tokens", "1"],
+            "num_nextn_predict_layers=0: the checkpoint has no MTP layer",
+        ),
+        (
             ["init-tiny", "/tmp/x", "--arch", "deepseek_v4"],
             "arch='deepseek_v4' is not allowed; use one of deepseek_v3, deepseek_v32",
         ),

@@ -92,6 +92,11 @@ def generate(
         "auto", "--dtype", help="auto (bfloat16 on a GPU, float32 on the CPU), float32, ..."
     ),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    speculative_tokens: int = typer.Option(
+        0,
+        "--speculative-tokens",
+        help="Draft tokens per step from the checkpoint's MTP layer (0 = no speculative decoding).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print results as JSON lines."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -106,8 +111,19 @@ def generate(
         input_folder(model, "--model")
     if ranks < 1:
         raise InputError(f"--ranks={ranks} must be a positive integer")
-    options = dict(redundant_experts=redundant_experts, overlap=overlap, dtype=dtype, device=device)
-    EngineConfig(**options)
+    options = dict(
+        redundant_experts=redundant_experts,
+        overlap=overlap,
+        dtype=dtype,
+        device=device,
+        num_speculative_tokens=speculative_tokens,
+    )
+    try:
+        EngineConfig(**options)
+    except InputError as exc:
+        raise InputError(
+            str(exc).replace("num_speculative_tokens=", "--speculative-tokens=")
+        ) from None
     params = SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -135,6 +151,8 @@ def generate(
                 "token_ids": out.token_ids,
                 "finish_reason": out.finish_reason,
                 "num_cached_tokens": r.num_cached_tokens,
+                "num_draft_tokens": r.num_draft_tokens,
+                "num_accepted_tokens": r.num_accepted_tokens,
             }
             typer.echo(json.dumps(record, ensure_ascii=False))
         else:

@@ -12,6 +12,39 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 FP8_WEIGHTS = ("auto", "keep", "dequantize")
 
+METHODS = ("mtp",)
+# vLLM's DeepSeek MTP reuses the one MTP layer for every draft; past a few drafts acceptance is
+# low (vLLM measures 24% for the 8th) and each draft costs a sequential MTP pass.
+MAX_SPECULATIVE_TOKENS = 8
+_EXAMPLE = '{"method": "mtp", "num_speculative_tokens": 1}'
+
+
+def speculative_tokens(config: dict | None) -> int:
+    """``num_speculative_tokens`` of vLLM's ``speculative_config`` dict (0 for None), checked:
+    ``method`` must be ``"mtp"`` and the count in ``1 .. MAX_SPECULATIVE_TOKENS``."""
+    if config is None:
+        return 0
+    if not isinstance(config, dict):
+        raise InputError(f"speculative_config={config!r} must be a dict such as {_EXAMPLE}")
+    method = config.get("method", "mtp")
+    if method not in METHODS:
+        raise InputError(
+            f"speculative_config.method={method!r} is not supported; use one of {METHODS}"
+        )
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise InputError(
+            f"speculative_config.{unknown[0]} is not supported; use method and "
+            "num_speculative_tokens"
+        )
+    k = config.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InputError(
+            f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
+            f"1..{MAX_SPECULATIVE_TOKENS}"
+        )
+    return k
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -27,6 +60,8 @@ class EngineConfig:
     ``fp8_weights``: what happens to a checkpoint's FP8 projections — ``keep`` them in FP8
     (:class:`~moeinfra.engine.fp8.Fp8Linear`), ``dequantize`` them to ``dtype`` at load, or
     ``auto``: keep on a GPU with FP8 tensor cores (compute capability 8.9+), else dequantize.
+    ``num_speculative_tokens``: drafts per decode step from the checkpoint's MTP layer (0: none;
+    ``LLM(speculative_config=...)`` sets it).
     """
 
     block_size: int = 64
@@ -41,8 +76,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"
     fp8_weights: str = "auto"
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InputError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be in "
+                f"0..{MAX_SPECULATIVE_TOKENS} (0: no speculative decoding)"
+            )
         if self.fp8_weights not in FP8_WEIGHTS:
             raise InputError(
                 f"fp8_weights={self.fp8_weights!r} is not allowed; use one of "

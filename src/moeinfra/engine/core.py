@@ -8,6 +8,7 @@ takes part in every MoE layer's dispatch and combine, as DeepSeek's data-paralle
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -22,13 +23,14 @@ import torch.distributed as dist
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.config import EngineConfig
 from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
-from moeinfra.engine.hf_config import ModelConfig, read_config
+from moeinfra.engine.hf_config import CheckpointError, ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
 from moeinfra.engine.sequence import Preloaded, Sequence, Status
+from moeinfra.engine.speculative import SpecStats, verify
 from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
@@ -49,6 +51,8 @@ class StepOutput:
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
@@ -125,20 +129,24 @@ class EngineCore:
         local_rank = os.environ.get("LOCAL_RANK")  # torchrun's; a spawned rank's is set already
         self.device = place_rank(self.config.device, local_rank and int(local_rank))
         self.dtype = dtype = resolve_dtype(self.config.dtype, self.device)
+        reader = CheckpointReader(model_dir)
+        keep_fp8 = keeps_fp8(self.config.fp8_weights, self.device)
         self.model = self.arch.load(
-            CheckpointReader(model_dir),
-            self.model_config,
-            self.plan,
-            self.comm,
-            dtype,
-            keep_fp8=keeps_fp8(self.config.fp8_weights, self.device),
+            reader, self.model_config, self.plan, self.comm, dtype, keep_fp8=keep_fp8
         )
         self.model.to(self.device).eval()
+        self.num_speculative_tokens = self.config.num_speculative_tokens
+        self.mtp = self._load_mtp(reader, dtype, keep_fp8) if self.num_speculative_tokens else None
+        self.spec_stats = SpecStats(self.num_speculative_tokens)
         layout = self.arch.kv_layout(self.model_config, dtype)
+        if self.mtp is not None:  # the MTP layer's MLA cache: one more layer, the same slots
+            layout = dataclasses.replace(layout, num_layers=layout.num_layers + 1)
         self.cache = PagedKVCache(
             layout, self.config.num_kv_blocks, self.config.block_size, self.device
         )
-        self.blocks = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.blocks = BlockManager(
+            self.config.num_kv_blocks, self.config.block_size, reuse_last_block=self.mtp is None
+        )
         self.scheduler = Scheduler(
             self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
@@ -160,8 +168,11 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos)
 
     # ------------------------------------------------------------------ placement
-    def _initial_plan(self) -> Plan:
+    def _initial_plan(self, num_layers: int | None = None) -> Plan:
+        """Experts placed evenly over the unit's slots, for ``num_layers`` MoE layers (default:
+        the model's)."""
         mc, world = self.model_config, self.comm.world_size
+        layers = mc.num_moe_layers if num_layers is None else num_layers
         experts = mc.block.num_routed_experts
         slots = experts + self.config.redundant_experts
         if slots % world:
@@ -169,9 +180,26 @@ class EngineCore:
                 f"redundant_experts={self.config.redundant_experts}: {experts} experts + redundant "
                 f"must be a multiple of ranks={world}"
             )
-        load = np.ones((max(mc.num_moe_layers, 1), experts))
+        load = np.ones((max(layers, 1), experts))
         groups = mc.block.num_expert_groups
-        return rebalance(load[: mc.num_moe_layers], slots, groups, 1, world)
+        return rebalance(load[:layers], slots, groups, 1, world)
+
+    def _load_mtp(self, reader: CheckpointReader, dtype: torch.dtype, keep_fp8: bool):
+        """The checkpoint's MTP layer as this rank's draft model (its experts placed evenly)."""
+        source = reader.model_dir / "config.json"
+        if self.arch.load_mtp is None:
+            raise CheckpointError(
+                f"{source}: model_type={self.model_config.model_type!r} has no MTP draft support"
+            )
+        if self.model_config.num_mtp_layers < 1:
+            raise CheckpointError(
+                f"{source}: num_nextn_predict_layers={self.model_config.num_mtp_layers}: the "
+                "checkpoint has no MTP layer, so num_speculative_tokens must be 0"
+            )
+        mtp = self.arch.load_mtp(
+            reader, self.model_config, self._initial_plan(1), self.comm, dtype, keep_fp8
+        )
+        return mtp.to(self.device).eval()
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -263,7 +291,8 @@ class EngineCore:
             if c.length == 1 and seq.output_ids and c.start == seq.num_tokens - 1:
                 ids.append(seq.output_ids[-1])
             else:
-                ids.extend(seq.token_ids[c.start : c.start + c.length])
+                ids.extend(seq.token_ids[c.start : c.start + c.length - len(c.drafts)])
+                ids.extend(c.drafts)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         step_cache = StepCache(self.cache, {c.seq.seq_id: self._slots(c.seq) for c in scheduled})
         forward_began = time.perf_counter()
@@ -275,38 +304,47 @@ class EngineCore:
         interval = self.config.eplb_interval
         if interval is not None and self.steps % interval == 0:
             self.rebalance()
-        ends = np.cumsum([c.length for c in scheduled]) - 1
-        sampling = [(c, int(end)) for c, end in zip(scheduled, ends, strict=True) if c.samples]
-        bs = self.blocks.block_size
+        starts = np.cumsum([0] + [c.length for c in scheduled])
+        sampling = [
+            (c, int(start)) for c, start in zip(scheduled, starts, strict=False) if c.samples
+        ]
         for c in scheduled:
-            seq = c.seq
-            seq.num_computed = c.start + c.length
-            # a block becomes shareable once full: only then is there something to register
-            if self.config.enable_prefix_caching and seq.num_computed // bs > c.start // bs:
-                self.blocks.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed)
+            if not c.drafts:  # a verified request's computed positions are known after verify
+                self._computed(c.seq, c.start, c.start + c.length)
         sample_s = 0.0
+        handoffs = []
         if sampling:
             sample_began = time.perf_counter()
-            logits = self.model.logits(hidden[[row for _, row in sampling]])
-            seqs = [c.seq for c, _ in sampling]
-            self._mask_early_stop(logits, seqs)
-            tokens = sample(
-                logits,
-                [s.params for s in seqs],
-                [s.generator for s in seqs],
-                [len(s.output_ids) for s in seqs],
-            ).tolist()
+            new_tokens = self._sample(hidden, sampling)
             sample_s = time.perf_counter() - sample_began
-            for seq, token in zip(seqs, tokens, strict=True):
-                outputs.append(self._append(seq, token))
+            for (c, _), tokens in zip(sampling, new_tokens, strict=True):
+                seq = c.seq
+                if c.drafts:
+                    accepted = len(tokens) - 1
+                    self._computed(seq, c.start, c.start + 1 + accepted, seq.token_ids + tokens)
+                    self.spec_stats.record(len(c.drafts), accepted)
+                    seq.num_draft_tokens += len(c.drafts)
+                    seq.num_accepted_tokens += accepted
+                seq.drafts = []
+                outputs.append(self._append_all(seq, tokens))
                 if seq.handoff is not None and not seq.finished:
-                    self._hand_off(seq)
+                    handoffs.append(seq)
+        if self.mtp is not None:
+            self._draft(scheduled, starts, hidden, step_cache, {c.seq.seq_id for c, _ in sampling})
+        for seq in handoffs:
+            self._hand_off(seq)
         self.stats.append(
             StepStats(
                 prefill_tokens=sum(
-                    c.length for c in scheduled if not c.seq.output_ids or c.length > 1
+                    c.length
+                    for c in scheduled
+                    if not c.seq.output_ids or c.length > 1 + len(c.drafts)
                 ),
-                decode_tokens=sum(1 for c in scheduled if c.length == 1 and c.seq.output_ids),
+                decode_tokens=sum(
+                    c.length
+                    for c in scheduled
+                    if c.seq.output_ids and c.length == 1 + len(c.drafts)
+                ),
                 attended_keys=sum(
                     c.length * c.start + c.length * (c.length + 1) // 2 for c in scheduled
                 ),
@@ -319,6 +357,91 @@ class EngineCore:
             )
         )
         return outputs
+
+    def _computed(
+        self, seq: Sequence, start: int, end: int, token_ids: list[int] | None = None
+    ) -> None:
+        """Positions ``start .. end - 1`` of ``seq`` now have KV in the cache (``token_ids``: its
+        tokens, when accepted drafts are not appended yet)."""
+        seq.num_computed = end
+        bs = self.blocks.block_size
+        # a block becomes shareable once full: only then is there something to register
+        if self.config.enable_prefix_caching and end // bs > start // bs:
+            self.blocks.mark_computed(seq.seq_id, token_ids or seq.token_ids, end)
+
+    def _sample(self, hidden: torch.Tensor, sampling: list) -> list[list[int]]:
+        """New tokens of each sampled chunk ``(chunk, first row)``: one drawn token, or the
+        accepted drafts and the target's token of a chunk with drafts (:func:`verify`)."""
+        rows, where = [], []
+        for c, first in sampling:
+            last = first + c.length - 1
+            where.append(len(rows))
+            rows.extend(range(last - len(c.drafts), last + 1))
+        logits = self.model.logits(hidden[rows])
+        banned = []
+        for (c, _), at in zip(sampling, where, strict=True):
+            made = len(c.seq.output_ids)
+            banned.extend((at + j, c.seq, made + j) for j in range(len(c.drafts) + 1))
+        self._mask_early_stop(logits, banned)
+        plain = [i for i, (c, _) in enumerate(sampling) if not c.drafts]
+        out: list[list[int]] = [[] for _ in sampling]
+        if plain:
+            seqs = [sampling[i][0].seq for i in plain]
+            tokens = sample(
+                logits[[where[i] for i in plain]],
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                [len(s.output_ids) for s in seqs],
+            ).tolist()
+            for i, token in zip(plain, tokens, strict=True):
+                out[i] = [token]
+        for i, (c, _) in enumerate(sampling):
+            if c.drafts:
+                seq, at = c.seq, where[i]
+                span = logits[at : at + len(c.drafts) + 1]
+                out[i] = verify(span, c.drafts, seq.params, seq.generator, len(seq.output_ids))
+        return out
+
+    def _draft(
+        self, scheduled, starts, hidden: torch.Tensor, step_cache: StepCache, sampled: set[int]
+    ) -> None:
+        """Run the MTP layer over every position this step computed (the target's hidden state
+        there and the token after it), then draft ``num_speculative_tokens`` tokens for every
+        request that got a new token (``sampled``: their sequence ids). Collective: the same
+        number of MTP passes on every rank."""
+        rows, next_ids, segments, drafting = [], [], [], []
+        for c, first in zip(scheduled, starts, strict=False):
+            seq = c.seq
+            count = min(c.start + c.length, seq.num_computed) - c.start
+            if seq.finished or count <= 0:
+                continue
+            rows.extend(range(first, first + count))
+            next_ids.extend(seq.token_ids[c.start + 1 : c.start + count + 1])
+            segments.append(Segment(seq.seq_id, c.start, count))
+            if seq.seq_id in sampled:
+                drafting.append((seq, len(rows) - 1))
+        mtp_layer = self.cache.layout.num_layers - 1
+        ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
+        out = self.mtp(hidden[rows], ids, segments, step_cache.layer(mtp_layer))
+        last = out[[row for _, row in drafting]]
+        seqs = [seq for seq, _ in drafting]
+        tokens = self.mtp.logits(last).argmax(dim=-1)
+        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+            seq.drafts = [token]
+        for j in range(1, self.num_speculative_tokens):
+            # draft j + 1 runs the layer at position num_computed + j - 1, on its own last output
+            keep = [
+                i
+                for i, seq in enumerate(seqs)
+                if self.blocks.ensure_slots(seq.seq_id, seq.num_computed + j)
+            ]
+            seqs, last, tokens = [seqs[i] for i in keep], last[keep], tokens[keep]
+            cache = StepCache(self.cache, {s.seq_id: self._slots(s) for s in seqs})
+            segments = [Segment(s.seq_id, s.num_computed + j - 1, 1) for s in seqs]
+            last = self.mtp(last, tokens, segments, cache.layer(mtp_layer))
+            tokens = self.mtp.logits(last).argmax(dim=-1)
+            for seq, token in zip(seqs, tokens.tolist(), strict=True):
+                seq.drafts.append(token)
 
     def _slots(self, seq: Sequence) -> torch.Tensor:
         """``[capacity]`` cache slot of every position of ``seq`` (rebuilt when its table grows)."""
@@ -356,15 +479,27 @@ class EngineCore:
         )
         self._finish(seq, "handoff")
 
-    def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule)."""
-        for row, seq in enumerate(seqs):
-            if len(seq.output_ids) < seq.params.min_tokens:
+    def _mask_early_stop(self, logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
+        """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule):
+        ``rows`` are ``(logits row, request, outputs it will have made before that token)``."""
+        for row, seq, made in rows:
+            if made < seq.params.min_tokens:
                 banned = set(seq.params.stop_token_ids or ())
                 if not seq.params.ignore_eos:
                     banned |= self.eos_token_ids
                 ids = [t for t in banned if t < logits.shape[1]]
                 logits[row, ids] = float("-inf")
+
+    def _append_all(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        """:meth:`_append` each token until the request finishes; one output for them all."""
+        new_ids, new_text = [], ""
+        for token in tokens:
+            out = self._append(seq, token)
+            new_ids += out.new_token_ids
+            new_text += out.new_text
+            if seq.finished:
+                break
+        return dataclasses.replace(out, new_token_ids=new_ids, new_text=new_text)
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
@@ -416,6 +551,8 @@ class EngineCore:
             seq.stop_reason,
             seq.prompt_ids,
             seq.num_cached,
+            seq.num_draft_tokens,
+            seq.num_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ expert rebalancing

@@ -78,15 +78,22 @@ class BlockManager:
     prefill), :meth:`blocks_needed`/:meth:`can_allocate` to decide admission, :meth:`ensure_slots`
     before each step, :meth:`slot_mapping` to place the step's tokens, :meth:`mark_computed` after
     it, :meth:`free` when the request finishes or is aborted.
+
+    ``reuse_last_block=False`` leaves the last matching block of a prefix to be recomputed: with an
+    MTP draft layer, a block's last cache entry depends on the token after the block (vLLM drops
+    that block for EAGLE drafts too).
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 64) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 64, reuse_last_block: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise InputError(f"num_blocks={num_blocks!r}: must be a positive number of blocks")
         if block_size < 1:
             raise InputError(f"block_size={block_size!r}: must be a positive number of tokens")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.reuse_last_block = reuse_last_block
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
@@ -160,7 +167,7 @@ class BlockManager:
             if block is None:
                 break
             found.append((parent, block))
-        return found
+        return found if self.reuse_last_block else found[:-1]
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens :meth:`allocate_prefix` would find cached now (changes nothing)."""

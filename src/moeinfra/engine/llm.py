@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moeinfra.engine.config import speculative_tokens
 from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput, check_prompt
 from moeinfra.engine.hf_config import read_config
 from moeinfra.engine.outputs import CompletionOutput, RequestOutput
@@ -43,6 +44,8 @@ class LLM:
             ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``,
             ``redundant_experts``, ``eplb_interval``, ``eplb_window``, ``overlap``,
             ``enable_prefix_caching``).
+        speculative_config: vLLM's ``{"method": "mtp", "num_speculative_tokens": k}``: ``k``
+            drafts per decode step from the checkpoint's MTP layer, verified in the next step.
         comm_delay_s: injected delay per all-to-all payload (to study overlap on one machine).
         timeout_s: a spawned unit that starts or answers slower than this is an error (no hang).
     """
@@ -54,8 +57,11 @@ class LLM:
         *,
         comm_delay_s: float = 0.0,
         timeout_s: float = 300.0,
+        speculative_config: dict | None = None,
         **engine_options: Any,
     ) -> None:
+        if speculative_config is not None:
+            engine_options["num_speculative_tokens"] = speculative_tokens(speculative_config)
         self.model_dir = Path(model) if model is not None else default_model()
         raw = read_config(self.model_dir)  # a bad folder fails here, naming the file
         source = str(self.model_dir / "config.json")
@@ -335,6 +341,8 @@ def _apply(result: RequestOutput, out: StepOutput, bar) -> bool:
     completion.token_ids.extend(out.new_token_ids)
     completion.text += out.new_text
     result.num_cached_tokens = out.num_cached_tokens
+    result.num_draft_tokens = out.num_draft_tokens
+    result.num_accepted_tokens = out.num_accepted_tokens
     if out.finished and not result.finished:
         result.finished = True
         result.outputs[0] = replace(

@@ -21,7 +21,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and completion; ``num_cached_tokens``: prompt tokens from the prefix cache."""
+    """A request's prompt and completion; ``num_cached_tokens``: prompt tokens from the prefix
+    cache; ``num_draft_tokens`` / ``num_accepted_tokens``: speculative draft tokens proposed for it
+    and accepted (0 without speculative decoding)."""
 
     request_id: str
     prompt: str | None
@@ -29,3 +31,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

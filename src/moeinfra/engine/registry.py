@@ -21,13 +21,15 @@ from moeinfra.engine.kv_cache import KVLayout
 class Architecture:
     """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype) -> KVLayout``;
     ``load(reader, config, plan, comm, dtype, keep_fp8=False) -> model`` (see
-    :mod:`.models.deepseek_v3`)."""
+    :mod:`.models.deepseek_v3`); ``load_mtp`` (same arguments, a one-layer plan) -> the draft model
+    of speculative decoding (:mod:`.models.mtp`), None where the architecture has none."""
 
     model_type: str
     hf_architecture: str
     parse_config: Callable[[dict, str], ModelConfig]
     kv_layout: Callable[[ModelConfig, torch.dtype], KVLayout]
     load: Callable
+    load_mtp: Callable | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -39,7 +41,7 @@ def register(architecture: Architecture) -> None:
 
 
 def _builtin() -> None:
-    from moeinfra.engine.models import deepseek_v3, deepseek_v32
+    from moeinfra.engine.models import deepseek_v3, deepseek_v32, mtp
 
     for module, hf_architecture in (
         (deepseek_v3, "DeepseekV3ForCausalLM"),
@@ -52,6 +54,7 @@ def _builtin() -> None:
                 module.parse_config,
                 module.kv_layout,
                 module.load,
+                mtp.load_mtp,
             )
         )
 

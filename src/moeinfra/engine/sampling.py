@@ -135,6 +135,31 @@ def sample(
     return tokens
 
 
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``[R, V]`` float32 distribution each row's sampling draws from: ``softmax(logits / T)``
+    over the row's top-k and nucleus (zero elsewhere). For non-greedy params."""
+    x = (
+        logits.float()
+        / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    )
+    vocab = x.shape[-1]
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
+        top_p = torch.tensor([p.top_p for p in params], device=x.device)
+        x = _top_k_top_p(x, top_k, top_p)
+    return x.softmax(dim=-1)
+
+
+def step_generator(
+    params: SamplingParams, generator: torch.Generator | None, step: int
+) -> torch.Generator | None:
+    """A seeded request's generator reseeded for its output token number ``step`` (as
+    :func:`sample` does); None (the global RNG) for an unseeded one."""
+    if generator is None:
+        return None
+    return generator.manual_seed(_step_seed(params.seed, step))
+
+
 @dataclass(frozen=True)
 class StopChecker:
     """Stop strings in one request's streamed text, and how much of that text can be shown.

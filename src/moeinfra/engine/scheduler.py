@@ -1,8 +1,8 @@
 """Iteration-level (continuous) batching for one rank, as vLLM v1 and SGLang schedule.
 
 Every step has a token budget (``max_num_batched_tokens``). Running requests go first, each taking
-what it still needs — one token when decoding, the next chunk of its prompt when its prefill was cut
-(chunked prefill). Then waiting requests are admitted in arrival order, each starting after the
+what it still needs — one token when decoding (plus its draft tokens to verify, with speculative
+decoding), the next chunk of its prompt when its prefill was cut (chunked prefill). Then waiting requests are admitted in arrival order, each starting after the
 blocks the prefix cache already holds (and after KV preloaded from elsewhere: a prefill unit's
 transfer, the on-disk cache), while the budget, ``max_num_seqs`` and free KV blocks allow.
 
@@ -25,16 +25,18 @@ from moeinfra.errors import InputError
 
 @dataclass(frozen=True)
 class Scheduled:
-    """``seq`` runs ``length`` tokens from position ``start`` this step."""
+    """``seq`` runs ``length`` tokens from position ``start`` this step; the last
+    ``len(drafts)`` of them are draft tokens to verify (speculative decoding)."""
 
     seq: Sequence
     start: int
     length: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token, so the step samples its next one."""
-        return self.start + self.length == self.seq.num_tokens
+        return self.start + self.length - len(self.drafts) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -69,14 +71,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            length = min(seq.num_tokens - seq.num_computed, budget)
+            needed = seq.num_tokens - seq.num_computed
+            drafts = tuple(seq.drafts[: budget - 1]) if needed == 1 else ()
+            length = min(needed + len(drafts), budget)
             while not self.blocks.ensure_slots(seq.seq_id, seq.num_computed + length):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                out.append(Scheduled(seq, seq.num_computed, length))
+                out.append(Scheduled(seq, seq.num_computed, length, drafts))
                 budget -= length
                 i += 1
                 continue
@@ -117,6 +121,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status, seq.num_computed = Status.WAITING, 0
+        seq.drafts = []
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -40,7 +40,8 @@ class Sequence:
     prefix cache when the request was (last) admitted. ``text``: output text exposed so far (stop
     strings withheld / cut). ``preloaded``: KV to write instead of computing (consumed at
     admission). ``handoff``: where a prefill-only request's KV goes after its first token (opaque to
-    the engine; None: decode here).
+    the engine; None: decode here). ``drafts``: tokens the MTP layer proposed after the last one,
+    verified by the next step; ``num_draft_tokens`` / ``num_accepted_tokens``: its drafts so far.
     """
 
     seq_id: int
@@ -59,6 +60,9 @@ class Sequence:
     preemptions: int = 0
     preloaded: Preloaded | None = None
     handoff: object = None
+    drafts: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -137,7 +137,10 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         }
 
     w = {"model.embed_tokens.weight": torch.randn(v, h, generator=g)}
-    for i in range(config["num_hidden_layers"]):
+    layers, model_g = config["num_hidden_layers"], g
+    for i in range(layers + config.get("num_nextn_predict_layers", 0)):
+        if i == layers:  # MTP layers draw from their own generator: the model's weights stay
+            g = torch.Generator().manual_seed(seed + 1)
         p = f"model.layers.{i}."
         w |= {
             p + "input_layernorm.weight": norm(h),
@@ -152,6 +155,8 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         }
         if "index_topk" in config:
             w |= _indexer_weights(p + "self_attn.indexer.", config, linear, g)
+        if i >= layers:
+            w |= _mtp_weights(p, h, v, norm, linear, g)
         if i < config["first_k_dense_replace"]:
             w |= swiglu(p + "mlp.", config["intermediate_size"])
             continue
@@ -161,9 +166,27 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         w |= swiglu(p + "mlp.shared_experts.", config["n_shared_experts"] * inter)
         for e in range(experts):
             w |= swiglu(f"{p}mlp.experts.{e}.", inter)
+    g = model_g
     w["model.norm.weight"] = norm(h)
     w["lm_head.weight"] = linear(v, h) * 4.0  # peaked next-token distributions
     return w
+
+
+# An MTP layer's embedding, head and eh_proj stay in bf16 in DeepSeek's FP8 releases.
+MTP_UNQUANTISED = ("embed_tokens.weight", "shared_head.head.weight", "eh_proj.weight")
+
+
+def _mtp_weights(prefix: str, h: int, v: int, norm, linear, g) -> dict[str, torch.Tensor]:
+    """The parts of a multi-token-prediction layer beside its decoder block (DeepSeek-V3's
+    ``model.layers.61.*``): its embedding and head copies, the two input norms, ``eh_proj``."""
+    return {
+        prefix + "embed_tokens.weight": torch.randn(v, h, generator=g),
+        prefix + "enorm.weight": norm(h),
+        prefix + "hnorm.weight": norm(h),
+        prefix + "eh_proj.weight": linear(h, 2 * h),
+        prefix + "shared_head.norm.weight": norm(h),
+        prefix + "shared_head.head.weight": linear(v, h) * 4.0,
+    }
 
 
 def _indexer_weights(prefix: str, config: dict, linear, g) -> dict[str, torch.Tensor]:
@@ -183,14 +206,15 @@ def quantize_fp8(
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's FP8 layout: every 2-D projection inside the decoder layers as ``float8_e4m3fn``
     with a ``weight_scale_inv`` per 128x128 block; embeddings, norms, gates, the indexer's
-    ``weights_proj`` and LM head stay as they are (as in DeepSeek's releases). ``power_of_two``:
+    ``weights_proj``, an MTP layer's embedding, head and ``eh_proj`` and the LM head stay as they
+    are (as in DeepSeek's releases). ``power_of_two``:
     scales rounded up to powers of two (DeepSeek-V3.2's ``scale_fmt: ue8m0``)."""
     out = {}
     for name, tensor in weights.items():
         keep = (
             tensor.dim() != 2
             or not name.startswith("model.layers.")
-            or name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight"))
+            or name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight") + MTP_UNQUANTISED)
         )
         if keep:
             out[name] = tensor

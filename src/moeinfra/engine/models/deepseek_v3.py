@@ -161,7 +161,7 @@ def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
     return mla_layout(config.block, config.num_layers, dtype, index_dim)
 
 
-def _load_module(
+def load_module(
     module: nn.Module,
     reader: CheckpointReader,
     names: dict[str, str],
@@ -190,7 +190,7 @@ def _load_module(
             target.copy_(reader.get(prefix + hf_name, tuple(target.shape), target.dtype))
 
 
-def _to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model.to(dtype)`` except FP8 layers, which keep their stored dtypes."""
     for module in model.modules():
         if isinstance(module, Fp8Linear):
@@ -204,8 +204,48 @@ def _to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _expert(block: MoEConfig, size: int, reader, prefix: str, dtype, keep_fp8: bool) -> Expert:
     module = Expert(block.hidden_size, size).to(dtype)
-    _load_module(module, reader, _SWIGLU, prefix, keep_fp8)
+    load_module(module, reader, _SWIGLU, prefix, keep_fp8)
     return module
+
+
+def attention_names(config: ModelConfig) -> dict[str, str]:
+    return dict(_ATTENTION) | (_INDEXER if config.indexer is not None else {})
+
+
+def load_attention(block, reader, names: dict[str, str], prefix: str, keep_fp8: bool) -> None:
+    if block.indexer is not None:  # its head weights stay float32 (DeepSeek, transformers)
+        block.indexer.weights_proj.float()
+    load_module(block, reader, names, prefix, keep_fp8)
+
+
+def moe_layer(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    plan: Plan,
+    j: int,
+    layer: int,
+    comm: Communicator,
+    dtype: torch.dtype,
+    keep_fp8: bool,
+) -> ExpertParallelMoE:
+    """Checkpoint layer ``layer``'s gate, shared expert and the routed experts of this rank's
+    slots in row ``j`` of ``plan``, as an expert-parallel layer."""
+    block, prefix = config.block, f"model.layers.{layer}.mlp."
+    gate = Gate(block).to(dtype)
+    load_module(
+        gate, reader, {"gate.weight": "weight", "gate.e_score_correction_bias": "bias"}, prefix
+    )
+    shared = None
+    if block.num_shared_experts:
+        size = block.num_shared_experts * block.moe_intermediate_size
+        shared = _expert(block, size, reader, prefix + "shared_experts.", dtype, keep_fp8)
+    experts = {
+        e: _expert(
+            block, block.moe_intermediate_size, reader, f"{prefix}experts.{e}.", dtype, keep_fp8
+        )
+        for e in rank_experts(plan, j, comm.rank)
+    }
+    return ExpertParallelMoE.from_experts(block, gate, shared, experts, plan, j, comm)
 
 
 def load(
@@ -219,51 +259,24 @@ def load(
     """Build this rank's model from ``reader``: only the routed experts ``plan`` gives the rank.
     ``keep_fp8``: projections stored in FP8 stay FP8 (:class:`Fp8Linear`), else are dequantised
     to ``dtype``."""
-    block = config.block
     if plan.num_layers != config.num_moe_layers:
         raise ValueError(
             f"plan has {plan.num_layers} layers, the model has {config.num_moe_layers} MoE layers"
         )
-    moe_layers = nn.ModuleList()
-    for j in range(config.num_moe_layers):
-        prefix = f"model.layers.{config.first_k_dense_replace + j}.mlp."
-        gate = Gate(block).to(dtype)
-        _load_module(
-            gate, reader, {"gate.weight": "weight", "gate.e_score_correction_bias": "bias"}, prefix
-        )
-        shared = (
-            _expert(
-                block,
-                block.num_shared_experts * block.moe_intermediate_size,
-                reader,
-                prefix + "shared_experts.",
-                dtype,
-                keep_fp8,
-            )
-            if block.num_shared_experts
-            else None
-        )
-        experts = {
-            e: _expert(
-                block, block.moe_intermediate_size, reader, f"{prefix}experts.{e}.", dtype, keep_fp8
-            )
-            for e in rank_experts(plan, j, comm.rank)
-        }
-        moe_layers.append(
-            ExpertParallelMoE.from_experts(block, gate, shared, experts, plan, j, comm)
-        )
-    model = _to_dtype(DeepseekV3(config, plan, comm, moe_layers), dtype)
-    for block in (*model.dense, *model.moe_blocks):
-        if block.indexer is not None:  # its head weights stay float32 (DeepSeek, transformers)
-            block.indexer.weights_proj.float()
-    attention = dict(_ATTENTION) | (_INDEXER if config.indexer is not None else {})
+    moe_layers = nn.ModuleList(
+        moe_layer(reader, config, plan, j, config.first_k_dense_replace + j, comm, dtype, keep_fp8)
+        for j in range(config.num_moe_layers)
+    )
+    model = to_dtype(DeepseekV3(config, plan, comm, moe_layers), dtype)
     for i, dense in enumerate(model.dense):
-        names = attention | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
-        _load_module(dense, reader, names, f"model.layers.{i}.", keep_fp8)
+        names = attention_names(config) | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
+        load_attention(dense, reader, names, f"model.layers.{i}.", keep_fp8)
     for j, moe_block in enumerate(model.moe_blocks):
         layer = config.first_k_dense_replace + j
-        _load_module(moe_block, reader, attention, f"model.layers.{layer}.", keep_fp8)
-    _load_module(
+        load_attention(
+            moe_block, reader, attention_names(config), f"model.layers.{layer}.", keep_fp8
+        )
+    load_module(
         model,
         reader,
         {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"},
@@ -272,7 +285,7 @@ def load(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     else:
-        _load_module(model, reader, {"lm_head.weight": "lm_head.weight"}, "")
+        load_module(model, reader, {"lm_head.weight": "lm_head.weight"}, "")
     return model
 
 
