@@ -313,3 +313,101 @@ def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
 
     assert step_ms("h100", 2) == pytest.approx(step_ms("h800", 2))
     assert step_ms("h100", 1) == pytest.approx(step_ms("h800", 1) * 0.94, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["simulate", "--model", "deepseek-v5"],
+         "error: --model='deepseek-v5' is not one of deepseek-v3, deepseek-v3.2"),
+        (["plan", "--model", "deepseek-v4"],
+         "error: --model='deepseek-v4' is not one of deepseek-v3, deepseek-v3.2"),
+        (["model", "--model", "v3.2"], "error: --model='v3.2' is not one of deepseek-v3, "),
+        (["frontier", "--model", "deepseek-v5"], "error: --model='deepseek-v5' is not one of "),
+        (["simulate", "--kv-cache-dtype", "fp4"],
+         "error: --kv-cache-dtype='fp4' is not one of bf16, fp8"),
+        (["plan", "--model", "deepseek-v3.2", "--kv-cache-dtype", "int8"],
+         "error: --kv-cache-dtype='int8' is not one of bf16, fp8"),
+        (["position-cost", "--kv-cache-dtype", "fp4"],
+         "error: --kv-cache-dtype='fp4' is not one of bf16, fp8"),
+        (["position-cost", "--mtp", "1.5"], "error: --mtp=1.5 must be in [0, 1)"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_is_one_line_naming_the_option_and_what_is_allowed(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_simulate_without_model_is_deepseek_v3_and_v32_is_chosen_by_name():
+    default = json.loads(cli("simulate", "--hours", "0.05", "--scale", "1000", "--json").stdout)
+    named = cli(
+        "simulate", "--hours", "0.05", "--scale", "1000", "--json",
+        "--model", "deepseek-v3", "--kv-cache-dtype", "bf16",
+    )  # fmt: skip
+    assert named.returncode == 0, named.stderr
+    assert json.loads(named.stdout)["cost_usd"] == default["cost_usd"]
+    assert json.loads(named.stdout)["tpot_s"] == default["tpot_s"]
+    assert default["model"]["name"] == "deepseek-v3"
+    assert default["model"]["kv_bytes_per_token"] == 70_272
+    v32 = cli("simulate", "--hours", "0.05", "--scale", "1000", "--model", "deepseek-v3.2")
+    assert v32.returncode == 0, v32.stderr
+    assert "model deepseek-v3.2: sparse attention" in v32.stdout
+    assert "85,888 bytes per token" in v32.stdout
+
+
+def test_model_and_frontier_take_the_architecture():
+    result = cli("model", "--model", "deepseek-v3.2", "--kv", "65536", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["model"] == {
+        "name": "deepseek-v3.2",
+        "kv_cache_dtype": "bf16",
+        "kv_bytes_per_token": 85_888,
+        "sparse_attention": True,
+    }
+    assert doc["layers"][10]["indexer"] > doc["layers"][10]["core_attn"] > 0
+    assert doc["memory_gb_per_gpu"]["kv_one_full_context_request"] == pytest.approx(
+        131_072 * 85_888 / 1e9
+    )
+    table = cli("model", "--model", "deepseek-v3.2", "--phase", "prefill")
+    assert table.returncode == 0 and "│ indexer" in table.stdout
+    front = cli(
+        "frontier", "--model", "deepseek-v3.2", "--kv-cache-dtype", "fp8", "--nodes", "18",
+        "--kv", "32768", "--json",
+    )  # fmt: skip
+    assert front.returncode == 0, front.stderr
+    assert json.loads(front.stdout)["model"]["kv_bytes_per_token"] == 48_068
+
+
+def test_plan_a_long_context_workload_under_v3_and_v32():
+    """64K-token prompts (DeepSeek's cache-hit share), 1K answers, 100K output tokens/s for 15
+    minutes: V3.2 needs well under half of V3's nodes, nearly all of the saving in prefill."""
+
+    def plan(model):
+        result = cli(
+            "plan", "--demand", "100000", "--lengths", "64000:1000", "--hours", "0.25",
+            "--scale", "20", "--micro-batches", "2", "--modes", "disaggregated",
+            "--model", model, "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    v3, v32 = plan("deepseek-v3"), plan("deepseek-v3.2")
+    assert v3["model"]["name"] == "deepseek-v3" and v32["model"]["name"] == "deepseek-v3.2"
+    assert v32["cost_usd"] < 0.6 * v3["cost_usd"]
+    assert v32["prefill"]["total_nodes"] < 0.6 * v3["prefill"]["total_nodes"]
+
+
+def test_position_cost_against_the_published_curve():
+    result = cli("position-cost", "--mtp", "0.85", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert "DeepSeek-V3.2-Exp" in doc["published_source"]["url"]
+    decode = doc["usd_per_million_tokens"]["decode"]
+    at = decode["positions_k"].index(128.0)
+    assert decode["model_over_published"][at] == pytest.approx(1.0, abs=0.1)
+    table = cli("position-cost")
+    assert table.returncode == 0, table.stderr
+    assert "model against published" in table.stdout and "128K" in table.stdout

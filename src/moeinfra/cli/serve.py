@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,65 @@ def _kernel_tables(kernels: str, calibration: str, hardware: str):
     return KernelTables.aiconfigurator(hardware)
 
 
+MODEL_HELP = (
+    "deepseek-v3 (also V3.1-Terminus and R1: the same shape) or deepseek-v3.2 (DeepSeek Sparse "
+    "Attention: a lightning indexer over the whole context, MLA over the top 2,048 tokens), built "
+    "from DeepSeek's published config.json [deepseek-v3, or the calibration's]."
+)
+KV_CACHE_DTYPE_HELP = (
+    "KV cache format: bf16, or fp8 as vLLM's and SGLang's --kv-cache-dtype fp8 store it (V3: 576 "
+    "bytes per token per layer; V3.2: the 656-byte fp8_ds_mla latent plus a 132-byte FP8 index "
+    "key) [bf16]."
+)
+
+
+def _served_model(name: str | None, kv_cache_dtype: str | None, calibration=None):
+    """``--model`` / ``--kv-cache-dtype`` as a ModelSpec; None when neither is given (the default:
+    DeepSeek-V3, or the calibration's model)."""
+    from moeinfra.serving.specs import KV_CACHE_DTYPES, MODELS
+
+    if name is not None and name not in MODELS:
+        raise InputError(f"--model={name!r} is not one of {', '.join(MODELS)}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(
+            f"--kv-cache-dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if name is None and kv_cache_dtype is None:
+        return None
+    if name is not None:
+        base = MODELS[name]
+    else:
+        base = MODELS["deepseek-v3"] if calibration is None else calibration.model
+    model = base.with_kv_cache_dtype(kv_cache_dtype or "bf16")
+    if calibration is not None:
+        calibration.with_model(model)  # the same MLA and MoE shape, or a one-line error
+    return model
+
+
+def _model_summary(model) -> dict:
+    return {
+        "name": model.name,
+        "kv_cache_dtype": model.kv_cache_dtype,
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+        "sparse_attention": model.sparse,
+    }
+
+
+def _model_line(model) -> str:
+    from moeinfra.numfmt import format_number
+
+    attention = (
+        f"sparse attention (indexer {format_number(model.index_n_heads)} heads x "
+        f"{format_number(model.index_head_dim)}, top {format_number(model.index_topk)} tokens)"
+        if model.sparse
+        else "dense MLA"
+    )
+    return (
+        f"model {model.name}: {attention}; KV cache {model.kv_cache_dtype}, "
+        f"{format_number(model.kv_bytes_per_token)} bytes per token"
+    )
+
+
 _DEMAND_SCALE_HELP = (
     "Multiply the demand: each request of the trace (or of the generated day) stands for this many."
 )
@@ -254,6 +314,8 @@ def simulate_cmd(
         "inter-token latency histogram).",
     ),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Simulate a fleet over a day (default: DeepSeek's published day) and report cost and latency."""
@@ -276,6 +338,7 @@ def simulate_cmd(
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
     tables = _kernel_tables(kernels, calibration, hardware)
     cal = _calibration(calibration)
+    served = _served_model(model, kv_cache_dtype, cal)
     tick_s = parse_duration_s(tick, "--tick")
     if not tick_s > 0:
         raise InputError(f"--tick={tick!r} must be a duration > 0")
@@ -307,6 +370,7 @@ def simulate_cmd(
         slo_ttft_s=slo_ttft_s,
         block=None if block is None else parse_block(block),
         balancer=balancer,
+        model=served,
     )
     built = build_scenario(scenario, **scenario_args)
     bounds = step_time_bounds(cal) if cal is not None else {}
@@ -418,6 +482,8 @@ def simulate_cmd(
         ):
             table.add_row(key, format_figure(payload[key]), *([span(key)] if spread else []))
     console.print(table)
+    if served is not None:
+        console.print(_model_line(served))
     req = payload["requests"]
     ttft_range = span("ttft_p95_s", fmt=lambda v: f"{v:.3f}")
     tpot_range = span("tpot_p95_s", 1e3, fmt=lambda v: f"{v:.1f}")
@@ -536,13 +602,15 @@ def plan_cmd(
     demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for plan.json and plan.png."),
 ) -> None:
     """Cheapest fixed fleet meeting the SLOs, searched over unit shapes (nodes and EP degree,
     redundant experts, micro-batches, MTP, batch limits), disaggregated or aggregated."""
     from moeinfra.serving.planner import candidate_shapes, plan_capacity
-    from moeinfra.serving.specs import priced_hardware
+    from moeinfra.serving.specs import DEEPSEEK_V3, priced_hardware
     from moeinfra.serving.uncertainty import (
         has_spread,
         plan_figures,
@@ -608,6 +676,7 @@ def plan_cmd(
         gpus_per_node=hw.gpus_per_node,
     )
     cal = _calibration(calibration)
+    served = _served_model(model, kv_cache_dtype, cal)
     if workload is not None:
         trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
         source = str(workload)
@@ -625,6 +694,7 @@ def plan_cmd(
         calibration=cal,
         shapes=shapes,
         kernels=tables,
+        model=served,
     )
     result = plan_capacity(trace, **args)
     bounds = step_time_bounds(cal) if cal is not None else {}
@@ -644,6 +714,7 @@ def plan_cmd(
         "range_method": range_method(cal is not None, bool(bound_figures))
         + ("" if cal is None else "; null: at that bound no candidate meets the SLOs"),
         "step_time_bounds": bounds or None,
+        "model": _model_summary(served or (DEEPSEEK_V3 if cal is None else cal.model)),
     }
     if out is not None:
         from moeinfra.atomicio import write_text_atomic
@@ -654,10 +725,10 @@ def plan_cmd(
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    _print_plan(result, source, payload, bound_figures)
+    _print_plan(result, source, payload, bound_figures, served)
 
 
-def _print_plan(result, source: str, payload: dict, bound_figures: list) -> None:
+def _print_plan(result, source: str, payload: dict, bound_figures: list, served=None) -> None:
     def ms(value):
         return "-" if value is None else f"{value * 1e3:,.0f}"
 
@@ -725,6 +796,8 @@ def _print_plan(result, source: str, payload: dict, bound_figures: list) -> None
             else ""
         )
     )
+    if served is not None:
+        console.print(_model_line(served))
     console.print(f"cheapest: {fleet} = {result.nodes} nodes, ${result.cost_usd:,.2f}{other}")
     if bound_figures:
         (n_lo, n_hi), (c_lo, c_hi) = payload["ranges"]["nodes"], payload["ranges"]["cost_usd"]
@@ -754,6 +827,8 @@ def frontier_cmd(
         "0: off.",
     ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the frontier as JSON."),
     out: Path | None = typer.Option(
         None, "--out", "-o", help="Folder for frontier.json and frontier.png."
@@ -773,18 +848,20 @@ def frontier_cmd(
     if out is not None:
         output_folder(out, "--out")
     cal = _calibration(calibration)
+    served = _served_model(model, kv_cache_dtype, cal)
     if cal is None:
-        hw, model, eff, kv_cap = hardware_spec(hardware), DEEPSEEK_V3, DEFAULT_EFFICIENCY, None
+        hw, spec, eff, kv_cap = hardware_spec(hardware), DEEPSEEK_V3, DEFAULT_EFFICIENCY, None
     else:
-        hw, model, eff, kv_cap = (
+        hw, spec, eff, kv_cap = (
             cal.hardware,
             cal.model,
             cal.efficiency(),
             cal.kv_tokens_per_gpu,
         )
+    spec = served or spec
     front = decode_frontier(
         hw,
-        model,
+        spec,
         eff,
         mean_kv=kv,
         nodes=counts,
@@ -798,6 +875,7 @@ def frontier_cmd(
         "calibration": _calibration_summary(cal),
         "deepseek_published": DEEPSEEK_DECODE_POINT,
         "best_at_deepseek_speed": None if best is None else best.to_dict(),
+        "model": _model_summary(spec),
     }
     if out is not None:
         from moeinfra.atomicio import write_text_atomic
@@ -828,6 +906,8 @@ def frontier_cmd(
         )
     console = Console()
     console.print(table)
+    if served is not None:
+        console.print(_model_line(served))
     for reason in front.unfit:
         console.print(f"left out: {reason}")
     if best is not None:
@@ -862,6 +942,8 @@ def model_cmd(
     ),
     calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Per-layer time breakdown of one step of one prefill or decode unit."""
@@ -885,24 +967,25 @@ def model_cmd(
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
     cal = _calibration(calibration)
+    served = _served_model(model, kv_cache_dtype, cal)
     unit_nodes = nodes or (4 if phase == "prefill" else 18)
     hw_spec = None if cal is not None else hardware_spec(hardware)
     if redundant is None:
-        hw_used, model = (hw_spec, DEEPSEEK_V3) if cal is None else (cal.hardware, cal.model)
+        hw_used, spec = (hw_spec, DEEPSEEK_V3) if cal is None else (cal.hardware, cal.model)
         redundant = fitting_redundant_experts(
-            unit_nodes, hw_used.gpus_per_node, model.num_routed_experts
+            unit_nodes, hw_used.gpus_per_node, spec.num_routed_experts
         )
     dep = Deployment(
         phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
     )
     if cal is None:
-        perf = PerfModel(dep, hw_spec, kernels=tables)
+        perf = PerfModel(dep, hw_spec, served or DEEPSEEK_V3, kernels=tables)
     else:
         if nodes is None and phase in cal.units:
             dep = cal.units[phase]
         if micro_batches is not None:
             dep = dep.with_(micro_batches=micro_batches)
-        perf = cal.perf_model(dep)
+        perf = (cal if served is None else cal.with_model(served)).perf_model(dep)
         hardware = cal.hardware.name
     perf.check_fits()
     memory = perf.memory_use()
@@ -938,6 +1021,8 @@ def model_cmd(
         },
         "layers": b.rows(),
     }
+    if served is not None:
+        payload["model"] = _model_summary(served)
     if phase == "decode":
         payload["output_tokens_per_s_per_request"] = 1.0 / b.step_s
     if as_json:
@@ -968,5 +1053,114 @@ def model_cmd(
         f"{'none' if cal is None else cal.name}; kernels {kernels}"
     )
     console.print(f"memory per GPU: {memory.describe()}")
+    if served is not None:
+        console.print(_model_line(served))
     for part, source in b.sources.items():
         console.print(f"{part}: {source}")
+
+
+_POSITIONS_K = (2, 4, 8, 16, 32, 64, 96, 128)
+
+
+@app.command("position-cost")
+def position_cost_cmd(
+    hardware: str = typer.Option("h800", "--hardware", help="h800, h100, h200 or b200."),
+    gpu_hour_usd: float | None = typer.Option(
+        None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's; H800 $2)."
+    ),
+    kv_cache_dtype: str = typer.Option(
+        "fp8",
+        "--kv-cache-dtype",
+        help="DeepSeek-V3.2's KV cache: fp8 (as DeepSeek's sparse decoding kernel and vLLM/SGLang "
+        "store it) or bf16; V3.1-Terminus keeps BF16, as FlashMLA's dense decoding kernel reads it.",
+    ),
+    mtp: float = typer.Option(
+        0.0,
+        "--mtp",
+        help="Decode with multi-token prediction accepting this share of drafts (DeepSeek-V3: "
+        "0.85-0.9); 0: off.",
+    ),
+    decode_batch: float = typer.Option(
+        128.0, "--decode-batch", help="Decode requests per GPU the step is shared by."
+    ),
+    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Cost per million tokens by token position, DeepSeek-V3.1-Terminus (dense MLA) against
+    DeepSeek-V3.2 (sparse attention), prefill and decode, beside the curve DeepSeek published
+    (V3.2-Exp report, Figure 3: H800, $2 per GPU-hour)."""
+    from moeinfra.numfmt import format_number, percent
+    from moeinfra.serving.position_cost import compare_with_published, published_cost_by_position
+    from moeinfra.serving.specs import DEEPSEEK_V3, KV_CACHE_DTYPES, priced_hardware
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(
+            f"--kv-cache-dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if not 0.0 <= mtp < 1.0:
+        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
+    check_positive(decode_batch, "--decode-batch")
+    check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
+    cal = _calibration(calibration)
+    if cal is None:
+        hw, eff = priced_hardware(hardware, gpu_hour_usd), None
+    else:
+        cal.with_model(DEEPSEEK_V3)  # its factors carry to V3 and V3.2, or a one-line error
+        hw = cal.hardware
+        if gpu_hour_usd is not None:
+            hw = replace(hw, gpu_hour_usd=gpu_hour_usd)
+        eff = cal.efficiency()
+    compared = compare_with_published(
+        _POSITIONS_K,
+        v32_kv_cache_dtype=kv_cache_dtype,
+        mtp_acceptance=mtp,
+        hw=hw,
+        decode_batch_per_gpu=decode_batch,
+        **({} if eff is None else {"eff": eff}),
+    )
+    source = published_cost_by_position()["source"]
+    payload = {
+        "hardware": hw.name,
+        "gpu_hour_usd": hw.gpu_hour_usd,
+        "calibration": _calibration_summary(cal),
+        "v3.2_kv_cache_dtype": kv_cache_dtype,
+        "mtp_acceptance": mtp,
+        "decode_batch_per_gpu": decode_batch,
+        "usd_per_million_tokens": compared,
+        "published_source": {k: source[k] for k in ("url", "figure", "uncertainty")},
+    }
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    console = Console()
+    for phase, c in compared.items():
+        table = Table(
+            title=f"{phase}: USD per million tokens by token position on {hw.name} at "
+            f"${format_number(hw.gpu_hour_usd)} per GPU-hour"
+        )
+        table.add_column("position", justify="right")
+        for col in ("V3.1-Terminus", "V3.2", "V3.2 / V3.1"):
+            table.add_column(f"{col}\nmodel / published", justify="right")
+        for i, k in enumerate(c["positions_k"]):
+            table.add_row(
+                f"{format_number(int(k))}K",
+                *(
+                    f"{format_number(c[model][i])} / {format_number(c[published][i])}"
+                    for model, published in (
+                        ("v31_usd", "published_v31_usd"),
+                        ("v32_usd", "published_v32_usd"),
+                        ("ratio", "published_ratio"),
+                    )
+                ),
+            )
+        console.print(table)
+    at = {k: i for i, k in enumerate(compared["prefill"]["positions_k"])}
+    worst = {
+        phase: max(abs(c["model_over_published"][at[k]] - 1) for k in (32.0, 64.0, 128.0))
+        for phase, c in compared.items()
+    }
+    console.print(
+        "V3.2 / V3.1 at 32K, 64K and 128K, model against published: worst "
+        + ", ".join(f"{phase} {percent(w)} off" for phase, w in worst.items())
+        + f"; published points digitised from {source['url']} ({source['figure'].split(',')[0]})"
+    )

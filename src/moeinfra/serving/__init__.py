@@ -1,13 +1,16 @@
 """Serving a DeepSeek-V3-style MoE model: prefill/decode-disaggregated fleet, from kernels to dollars.
 
-* :mod:`~moeinfra.serving.specs` — :class:`ModelSpec`, :class:`HardwareSpec`, :class:`Deployment`
-  and their presets; the expert imbalance of a unit from an EPLB plan.
+* :mod:`~moeinfra.serving.specs` — :class:`ModelSpec` (DeepSeek-V3 and V3.2 from their published
+  configs: :data:`MODELS`), :class:`HardwareSpec`, :class:`Deployment` and their presets; the
+  expert imbalance of a unit from an EPLB plan.
 * :mod:`~moeinfra.serving.perfmodel` — per-layer, per-step time of a unit (:class:`PerfModel`).
 * :mod:`~moeinfra.serving.workload` — :class:`Workload`, the day generator and trace replay.
 * :mod:`~moeinfra.serving.balancers` — prefill/decode load balancers and their baselines.
 * :mod:`~moeinfra.serving.schedule` — units over time (DeepSeek's node curve, target utilisation).
 * :mod:`~moeinfra.serving.simulate` — the fleet simulator; :mod:`~moeinfra.serving.scenario` — presets.
 * :mod:`~moeinfra.serving.cost` — cost, theoretical revenue, margin; :mod:`~moeinfra.serving.planner`.
+* :mod:`~moeinfra.serving.position_cost` — cost per million tokens by token position, against
+  DeepSeek's published V3.1-Terminus / V3.2 curve.
 * :mod:`~moeinfra.serving.calibration` — fitted calibrations; :mod:`~moeinfra.serving.uncertainty`
   — ranges from a calibration's residuals.
 
@@ -28,7 +31,9 @@ from moeinfra.serving.schedule import FleetSchedule, deepseek_day_schedule, util
 from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
+    DEEPSEEK_V32,
     HARDWARE,
+    MODELS,
     Deployment,
     HardwareSpec,
     ModelSpec,
@@ -42,8 +47,10 @@ from moeinfra.serving.workload import LengthModel, Workload, deepseek_day, gener
 
 __all__ = [
     "DEEPSEEK_V3",
+    "DEEPSEEK_V32",
     "DEFAULT_EFFICIENCY",
     "HARDWARE",
+    "MODELS",
     "R1_PRICES",
     "SCENARIOS",
     "CapacityPlan",

@@ -148,6 +148,21 @@ class Calibration:
     version: int = FORMAT_VERSION
     prefill_step_jitter: tuple[float, ...] = ()
 
+    def with_model(self, model: ModelSpec) -> Calibration:
+        """This calibration's factors on ``model``: an architecture of the same MLA and MoE shape
+        as the one it was measured on, differing only in its sparse-attention indexer, its cache
+        format or its name (DeepSeek-V3.2 on a DeepSeek-V3 calibration); InputError otherwise."""
+        same = {"name", "index_n_heads", "index_head_dim", "index_topk", "kv_cache_dtype"}
+        mine, theirs = asdict(self.model), asdict(model)
+        differ = sorted(k for k in mine if k not in same and mine[k] != theirs[k])
+        if differ:
+            raise InputError(
+                f"calibration {self.name!r} was measured on {self.model.name} and "
+                f"{model.name} differs from it in {', '.join(differ)}: its factors apply to "
+                "models of the same MLA and MoE shape only"
+            )
+        return replace(self, model=model)
+
     def efficiency(self) -> Efficiency:
         return replace(
             efficiency_with(self.factors, self.gemm_table),

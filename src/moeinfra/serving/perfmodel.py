@@ -483,21 +483,23 @@ class PerfModel:
     # ---- DeepSeek Sparse Attention -----------------------------------------------------------
     def _indexer(self, queries, keys, key_tokens, sm_fraction: float = 1.0):
         """Seconds of the lightning indexer for ``queries`` query tokens each scoring ``keys``
-        earlier tokens, whose index keys (``key_tokens`` of them, read once) come from the cache:
-        its projections (FP8 GEMMs: q_lora_rank -> heads x dim, hidden -> dim, hidden -> heads)
-        and its logits — ``2 x heads x dim`` FP8 FLOPs per query and key (DeepGEMM's MQA-logits
-        kernels, at the GEMM efficiency) against reading the index keys and writing and reading
-        one float32 logit per query and key (the top-k selection reads them back). Multiplied by
-        ``gemm_time``: DeepGEMM kernels. Broadcasts."""
-        m = self.model
+        earlier tokens, whose index keys (``key_tokens`` of them, read once) come from the cache,
+        in three kernels one after another as DeepSeek's inference code runs them: the
+        projections (FP8 GEMMs: q_lora_rank -> heads x dim, hidden -> dim, hidden -> heads); the
+        logits, ``2 x heads x dim`` FP8 FLOPs per query and key (DeepGEMM's MQA-logits kernels, at
+        the GEMM efficiency) against reading the index keys and writing one float32 logit per
+        query and key; the top-k selection, reading those logits once (HBM-bound). The first two
+        are DeepGEMM kernels (x ``gemm_time``). Broadcasts."""
+        m, hw, eff = self.model, self.hw, self.eff
         heads, dim = m.index_n_heads, m.index_head_dim
         projections = self._gemm(2 * queries * m.indexer_params, m.indexer_params, sm_fraction)
         logits = self._gemm(
             2 * heads * dim * queries * keys,
-            key_tokens * m.index_key_bytes_per_token_layer + 8 * queries * keys,
+            key_tokens * m.index_key_bytes_per_token_layer + 4 * queries * keys,
             sm_fraction,
         )
-        return projections + logits
+        top_k = 4 * queries * keys / (hw.hbm_tb_per_s * 1e12 * eff.memory)
+        return projections + logits + top_k
 
     def _sparse_mla(self, factor: float, queries, keys, bytes_read, compute: float, sm=1.0):
         """Seconds of MLA in MQA mode (the absorbed form: 576-dimensional keys, 512-dimensional
@@ -555,7 +557,8 @@ class PerfModel:
             / (bf16 * eff.sparse_prefill_compute)
         )
         logits = 2 * m.index_n_heads * m.index_head_dim * keys / (hw.fp8_tflops * 1e12 * eff.gemm)
-        return eff.attention_time * np.minimum(mha, mqa) + eff.gemm_time * logits
+        top_k = 4 * keys / (hw.hbm_tb_per_s * 1e12 * eff.memory)
+        return eff.attention_time * np.minimum(mha, mqa) + eff.gemm_time * logits + top_k
 
     def _a2a_normal(self, tokens):
         """Dispatch and combine seconds for ``tokens`` per GPU with DeepEP normal kernels."""

@@ -338,7 +338,7 @@ def plan_capacity(
     slo_ttft_p95_s: float,
     slo_tpot_p95_s: float,
     hw: HardwareSpec | str = "h800",
-    model: ModelSpec = DEEPSEEK_V3,
+    model: ModelSpec | None = None,
     shapes: list[Shape] | None = None,
     max_units: int = 256,
     config: SimConfig | None = None,
@@ -350,7 +350,9 @@ def plan_capacity(
     ``slo_tpot_p95_s`` with no rejection, for the whole ``workload`` window on a fixed fleet,
     over ``shapes`` (default :func:`candidate_shapes`). ``kernels``: measured kernel tables in
     place of first-principles times where they cover a unit (not with a calibration).
-    ``time_scale``: (prefill, decode) multipliers on every step time."""
+    ``time_scale``: (prefill, decode) multipliers on every step time. ``model``: the architecture
+    served (default DeepSeek-V3, or the calibration's; with a calibration, its factors on this
+    model: :meth:`Calibration.with_model`)."""
     if not (slo_ttft_p95_s > 0 and slo_tpot_p95_s > 0):
         raise InputError(
             f"slo_ttft_p95_s={slo_ttft_p95_s} and slo_tpot_p95_s={slo_tpot_p95_s} must be > 0"
@@ -366,7 +368,10 @@ def plan_capacity(
                 "use one or the other"
             )
         hw = replace(calibration.hardware, gpu_hour_usd=hw.gpu_hour_usd)
+        if model is not None:
+            calibration = calibration.with_model(model)
         model, eff, kv = calibration.model, calibration.efficiency(), calibration.kv_tokens_per_gpu
+    model = model or DEEPSEEK_V3
     shapes = candidate_shapes(gpus_per_node=hw.gpus_per_node) if shapes is None else shapes
     effs = dict(zip(("prefill", "decode"), (eff.scaled(k) for k in time_scale), strict=True))
     hours = workload.duration_s / 3600.0

@@ -27,6 +27,7 @@ from moeinfra.serving.simulate import SimConfig, SimulationResult, simulate
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     Deployment,
+    ModelSpec,
     deepseek_decode_unit,
     deepseek_prefill_unit,
     priced_hardware,
@@ -220,6 +221,7 @@ def build_scenario(
     calibration: Calibration | None = None,
     kernels: KernelTables | None = None,
     time_scale: tuple[float, float] = (1.0, 1.0),
+    model: ModelSpec | None = None,
 ) -> Scenario:
     """Assemble a scenario. ``workload`` replaces the generated one (e.g. a replayed trace); then
     ``fleet`` defaults to ``"auto"`` (autoscaling, :func:`auto_schedule` with ``target`` (default
@@ -234,7 +236,9 @@ def build_scenario(
     default units. ``kernels``: measured kernel tables in place of the first-principles
     all-to-all and expert GEMMs where they cover a unit (not with a calibration). ``time_scale``:
     (prefill, decode) multipliers on every step time (the bounds of
-    :mod:`moeinfra.serving.uncertainty`)."""
+    :mod:`moeinfra.serving.uncertainty`). ``model``: the architecture served (default
+    DeepSeek-V3, or the calibration's; with a calibration, its factors on this model:
+    :meth:`Calibration.with_model`)."""
     if balancer not in BALANCERS:
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
@@ -245,14 +249,14 @@ def build_scenario(
         prefill = PerfModel(
             prefill_dep or deepseek_prefill_unit(),
             hw,
-            DEEPSEEK_V3,
+            model or DEEPSEEK_V3,
             DEFAULT_EFFICIENCY.scaled(k_prefill),
             kernels=kernels,
         )
         decode = PerfModel(
             decode_dep or deepseek_decode_unit(),
             hw,
-            DEEPSEEK_V3,
+            model or DEEPSEEK_V3,
             DEFAULT_EFFICIENCY.scaled(k_decode),
             kernels=kernels,
         )
@@ -266,6 +270,8 @@ def build_scenario(
             calibration = replace(
                 calibration, hardware=replace(calibration.hardware, gpu_hour_usd=gpu_hour_usd)
             )
+        if model is not None:
+            calibration = calibration.with_model(model)
         units = calibration.units
         prefill = calibration.perf_model(
             prefill_dep or units.get("prefill") or deepseek_prefill_unit(), k_prefill

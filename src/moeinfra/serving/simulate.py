@@ -508,6 +508,9 @@ def simulate(
         hourly=hourly,
         totals=totals,
         model={
+            "name": decode.model.name,
+            "kv_cache_dtype": decode.model.kv_cache_dtype,
+            "kv_bytes_per_token": decode.model.kv_bytes_per_token,
             "prefill_seconds_per_token": seconds_per_token,
             "prefill_expert_imbalance": prefill.balance.imbalance,
             "decode_expert_imbalance": decode.balance.imbalance,

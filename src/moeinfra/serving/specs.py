@@ -15,7 +15,6 @@ from importlib import resources
 
 from moeinfra.errors import InputError
 
-
 #: KV-cache storage formats (``kv_cache_dtype``): ``bf16`` (every cached value in 2 bytes) or
 #: ``fp8`` as vLLM and SGLang store DeepSeek's caches (``--kv-cache-dtype fp8``): a dense MLA latent
 #: of 576 FP8 values (one scale per tensor); a sparse-attention model's latent in FlashMLA's
@@ -273,6 +272,7 @@ def model(name: str, kv_cache_dtype: str = "bf16") -> ModelSpec:
     if name not in MODELS:
         raise InputError(f"model={name!r} is not one of {', '.join(MODELS)}")
     return MODELS[name].with_kv_cache_dtype(kv_cache_dtype)
+
 
 HARDWARE: dict[str, HardwareSpec] = {
     # DeepSeek's published H800 figures (REFERENCE.md "Hardware and kernel figures").

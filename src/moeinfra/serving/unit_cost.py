@@ -16,7 +16,7 @@ from moeinfra.serving.balancers import (
     RoundRobin,
     decode_imbalance,
 )
-from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.perfmodel import INDEXER, PerfModel
 from moeinfra.serving.prefill_queue import PrefillQueue
 from moeinfra.serving.workload import Workload
 
@@ -91,7 +91,12 @@ def prefill_cost(
         attn_keys_per_token=mean_in * hit + mean_in * (1 - hit) / 2,
         prompt_len=max(mean_in * (1 - hit), 1.0),
     )
-    attn_share = float(nominal.parts["core_attn"].sum() / nominal.compute.sum())
+    # the part of a step that grows with the keys a token attends to (sparse attention: the
+    # indexer's logits grow with them too)
+    attention = nominal.parts["core_attn"].sum()
+    if INDEXER in nominal.parts:
+        attention = attention + nominal.parts[INDEXER].sum()
+    attn_share = float(attention / nominal.compute.sum())
     imb = dp_imbalance(prefill, decode, workload, balancer, attn_share)
     chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
     weighted = 0.0
@@ -99,6 +104,8 @@ def prefill_cost(
         computed, keys = _computed_and_keys(workload, lo, hi)
         weighted += float((computed * keys).sum())
     mean_keys = weighted / max(inputs_sum - cached_sum, 1.0) if n else 1.0
+    sparse = prefill.model.sparse
+    mean_weight = float(prefill.prefill_attention_weight(max(mean_keys, 1.0)))
     grid = np.geomspace(64, prefill.dep.tokens_per_gpu, 24)
     steps = [prefill.prefill_breakdown(tokens_per_gpu=g, prompt_len=g) for g in grid]
     grid_s = np.array([b.step_s for b in steps])
@@ -108,7 +115,14 @@ def prefill_cost(
     for lo, hi in chunks:  # a chunk at a time: a day's requests never hold float temporaries
         computed, keys = _computed_and_keys(workload, lo, hi)
         tokens[lo:hi] = computed
-        part = s_per_token * computed * ((1 - attn_share) + attn_share * keys / max(mean_keys, 1.0))
+        # dense attention grows with the keys; sparse attention's selected keys stop at index_topk
+        # while its indexer keeps growing: the model's own curve
+        grows = (
+            prefill.prefill_attention_weight(keys) / mean_weight
+            if sparse
+            else keys / max(mean_keys, 1.0)
+        )
+        part = s_per_token * computed * ((1 - attn_share) + attn_share * grows)
         part *= imb["prefill"]
         work[lo:hi] = part
         per_rank = np.minimum(computed, prefill.dep.tokens_per_gpu)

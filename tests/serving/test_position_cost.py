@@ -1,0 +1,107 @@
+"""DeepSeek's published cost by token position, V3.1-Terminus against V3.2-Exp on H800 (V3.2-Exp
+report, Figure 3), against the model (docs/serving-model.md, "Cost by token position").
+
+The model is never fitted to this figure: first principles (published kernel figures) and the
+calibrations shipped before it. The aim is the ratio V3.2 / V3.1 at 32K, 64K and 128K within 25%;
+the bands below are what the model reaches, each configuration on its own.
+"""
+
+import numpy as np
+import pytest
+
+from moeinfra.serving.calibration import load_calibration
+from moeinfra.serving.position_cost import (
+    COMPARED_AT_K,
+    compare_with_published,
+    position_cost,
+    published_at,
+    published_cost_by_position,
+)
+from moeinfra.serving.specs import DEEPSEEK_V3, DEEPSEEK_V32
+
+
+def test_the_published_points_say_where_they_come_from():
+    doc = published_cost_by_position()
+    source = doc["source"]
+    assert "deepseek-ai/DeepSeek-V3.2-Exp" in source["url"] and "Figure 3" in source["figure"]
+    assert "pixel" in source["method"] and "USD" in source["uncertainty"]
+    for phase in ("prefill", "decode"):
+        for series in ("v3.1-terminus", "v3.2-exp"):
+            points = np.array(doc[phase][series])
+            assert points[-1, 0] == 128 and (np.diff(points[:, 0]) > 0).all()
+    # V3.1-Terminus's dense attention: a straight line, to the digitising's 1-2 pixels
+    for phase, pixel_usd in (("prefill", 0.0026), ("decode", 0.0090)):
+        k = np.array([16, 32, 48, 64, 80, 96, 112, 128])
+        usd = published_at(phase, "v3.1-terminus", k)
+        fit = np.polyval(np.polyfit(k, usd, 1), k)
+        assert np.abs(usd - fit).max() < pixel_usd
+
+
+def test_published_ratios_at_32k_64k_128k():
+    """What the figure says, as read: V3.2 costs 57/39/28% of V3.1 to prefill and 30/18/12% to
+    decode at 32K/64K/128K (decode at 128K: "roughly 1/8", as a reader put it in
+    deepseek-ai/DeepSeek-V3.2-Exp#41)."""
+    c = compare_with_published()
+    assert c["prefill"]["published_ratio"] == pytest.approx([0.575, 0.393, 0.283], abs=0.01)
+    assert c["decode"]["published_ratio"] == pytest.approx([0.296, 0.177, 0.116], abs=0.01)
+
+
+@pytest.fixture(scope="module")
+def first_principles():
+    return compare_with_published()
+
+
+def test_model_has_the_published_shape(first_principles):
+    """Both: V3.1's cost grows linearly with the position, V3.2's ratio to it falls at every step
+    from 32K to 128K, V3.2 is cheaper from 16K on; V3.2's decode is nearly flat."""
+    positions = np.array([16, 32, 64, 128], dtype=float) * 1024
+    v31 = position_cost(DEEPSEEK_V3, positions)
+    v32 = position_cost(DEEPSEEK_V32.with_kv_cache_dtype("fp8"), positions)
+    for phase in ("prefill", "decode"):
+        a, b = v31.phase(phase), v32.phase(phase)
+        assert (b < a).all()
+        assert (np.diff(b / a) < 0).all()
+        slope = np.diff(a) / np.diff(positions)
+        assert slope[-1] == pytest.approx(slope[-2], rel=0.05)  # linear at long context
+    assert v32.decode_usd_per_mtok[-1] < 2 * v32.decode_usd_per_mtok[1]
+    assert v31.decode_usd_per_mtok[-1] > 3 * v31.decode_usd_per_mtok[1]
+    for phase in ("prefill", "decode"):
+        assert (np.diff(first_principles[phase]["ratio"]) < 0).all()
+
+
+def test_first_principles_against_the_published_ratios(first_principles):
+    """First principles, DeepSeek's units, no MTP (the project's default: whether DeepSeek
+    decodes with MTP is not published): the 25% aim is missed. Prefill: V3.2's advantage
+    overstated (model / published 0.72, 0.69, 0.66) — per key, the model's dense prefill
+    attention costs 26% more than the published V3.1 line, its indexer 21% less than the V3.2
+    line.
+    Decode: understated (1.19, 1.34, 1.48) — without MTP every step reads each request's whole
+    index-key cache for one token."""
+    prefill = first_principles["prefill"]["model_over_published"]
+    decode = first_principles["decode"]["model_over_published"]
+    assert prefill == pytest.approx([0.72, 0.69, 0.66], abs=0.02)
+    assert decode == pytest.approx([1.19, 1.34, 1.48], abs=0.03)
+
+
+def test_decode_ratio_within_25_percent_with_deepseeks_mtp():
+    """With multi-token prediction at the acceptance DeepSeek-V3's report gives (0.85; chosen from
+    that report, not from this figure — but only after both were compared): V3.2's index keys
+    are read once for two tokens, and the decode ratio is within 5% at 32K, 64K and 128K."""
+    c = compare_with_published(mtp_acceptance=0.85)
+    assert np.abs(np.array(c["decode"]["model_over_published"]) - 1).max() < 0.25
+    assert c["decode"]["model_over_published"] == pytest.approx([1.05, 0.96, 0.98], abs=0.02)
+
+
+def test_prefill_ratio_within_25_percent_with_the_deepseek_h800_calibration():
+    """The deepseek-h800 calibration (fitted on DeepSeek's H800 inference profiles, 2025-02,
+    before this figure) slows every GEMM by 1.21, the indexer's logits among them: prefill
+    model / published 0.79, 0.77, 0.75 — just inside 25%; its decode stays outside."""
+    c = compare_with_published(eff=load_calibration("deepseek-h800").efficiency())
+    prefill = np.array(c["prefill"]["model_over_published"])
+    assert np.abs(prefill - 1).max() < 0.25
+    assert prefill == pytest.approx([0.785, 0.766, 0.751], abs=0.01)
+    assert min(c["decode"]["model_over_published"]) > 1.25
+
+
+def test_compared_positions():
+    assert COMPARED_AT_K == (32, 64, 128)
