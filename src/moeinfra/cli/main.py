@@ -173,7 +173,10 @@ def build_app(groups: tuple[str, ...] | None = None) -> typer.Typer:
             app.add_typer(group_app(name), name=name)
         else:
             app.add_typer(typer.Typer(help=text, no_args_is_help=True), name=name)
+    from moeinfra.cli.train import train  # typer and numfmt only; torch when it runs
+
     app.command()(demo)
+    app.command()(train)
     return app
 
 
