@@ -190,3 +190,19 @@ def test_title_block_names_version_date_machine_and_section_times(tmp_path):
     timing = re.search(r"<td>Pipeline</td><td>([\d.,]+)</td><td>(\d+)%</td>", head)
     assert timing and float(timing.group(1)) > 0 and timing.group(2) == "100"
     assert re.search(r"<td>total</td><td>[\d.,]+</td>", head)
+
+
+@pytest.mark.timeout(300)
+def test_training_section_plots_the_loss_and_measures_acceptance(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from moeinfra.report import train_section
+
+    monkeypatch.setattr(train_section, "_STEPS", 30)
+    section = train_section.build(tmp_path)
+    png = tmp_path / "train_loss.png"
+    assert len(Image.open(png).convert("RGB").getcolors(maxcolors=1 << 16) or []) > 10
+    cells = _cells(section.body_html)
+    assert cells[:1] == ["1"] and cells[-5] == "3"  # rows for 1, 2 and 3 drafts per step
+    assert all(c.endswith("%") or c == "—" for c in cells[1:4])
+    assert not [c for c in cells if SCIENTIFIC.search(c)]

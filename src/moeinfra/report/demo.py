@@ -15,6 +15,7 @@ from moeinfra.report import (
     server_section,
     serving_section,
     trace_section,
+    train_section,
 )
 from moeinfra.report.page import Section, write_report
 
@@ -26,6 +27,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("Pipeline", pipeline_section.build),
     ("Trace", trace_section.build),
     ("MoE", moe_section.build),
+    ("Training", train_section.build),
     ("Engine", engine_section.build),
     ("Serving", serving_section.build),
     ("Server", server_section.build),
