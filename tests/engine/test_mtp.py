@@ -283,3 +283,39 @@ def test_other_layouts_draft_without_changing_greedy_output(tmp_path, prompt_ids
             stored[f"model.layers.{layer}.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
         )
         assert stored[f"model.layers.{layer}.eh_proj.weight"].dtype == torch.float32
+
+
+def test_prefill_here_drafting_decode_there_equals_one_engine(mtp_path, prompt_ids, reference):
+    """A drafting prefill unit hands off the prompt's KV with the MTP layer's rows and its first
+    drafts; the decode unit verifies them in its first step and goes on drafting."""
+    from moeinfra.engine.core import EngineConfig
+    from moeinfra.engine.sequence import Preloaded
+
+    config = EngineConfig(num_kv_blocks=64, block_size=4, num_speculative_tokens=2)
+    prefill, decode = EngineCore(mtp_path, config), EngineCore(mtp_path, config)
+    for i, ids in enumerate(prompt_ids):
+        prefill.add_request(f"r{i}", ids, GREEDY, handoff="decode")
+    tokens: dict[str, list[int]] = {}
+    while prefill.has_work:
+        for out in prefill.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    layers = prefill.cache.layout.num_layers
+    for h in prefill.handoffs:
+        assert h.kv.shape[0] == layers == prefill.model_config.num_layers + 1
+        assert len(h.drafts) == 2
+        decode.add_request(
+            h.request_id,
+            h.prompt_ids,
+            h.params,
+            output_ids=h.output_ids,
+            preloaded=Preloaded(0, h.kv),
+            drafts=h.drafts,
+        )
+    first = decode.step()
+    assert decode.stats[-1].decode_tokens == 3 * len(prompt_ids)  # the token and its two drafts
+    for out in first:
+        tokens[out.request_id].extend(out.new_token_ids)
+    while decode.has_work:
+        for out in decode.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert [tokens[f"r{i}"] for i in range(len(prompt_ids))] == reference

@@ -26,6 +26,7 @@ from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
 from moeinfra.engine.hf_config import CheckpointError, ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
+from moeinfra.engine.models.mtp import with_mtp_layer
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
@@ -74,8 +75,9 @@ def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
 class Handoff:
     """A prefill-only request after its first token: what its decode unit needs to go on.
 
-    ``kv [layers, prompt tokens, values]``: the prompt's KV in the cache layout; ``target``: the
-    ``handoff`` the request was added with."""
+    ``kv [layers, prompt tokens, values]``: the prompt's KV in the cache layout (the MTP layer's
+    included when the unit drafts); ``target``: the ``handoff`` the request was added with;
+    ``drafts``: the MTP layer's drafts after the first token (empty without speculative decoding)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -84,6 +86,7 @@ class Handoff:
     kv: torch.Tensor
     num_cached_tokens: int
     target: object
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,8 @@ class EngineCore:
         self.mtp = self._load_mtp(reader, dtype, keep_fp8) if self.num_speculative_tokens else None
         self.spec_stats = SpecStats(self.num_speculative_tokens)
         layout = self.arch.kv_layout(self.model_config, dtype)
-        if self.mtp is not None:  # the MTP layer's MLA cache: one more layer, the same slots
-            layout = dataclasses.replace(layout, num_layers=layout.num_layers + 1)
+        if self.mtp is not None:
+            layout = with_mtp_layer(layout)
         self.cache = PagedKVCache(
             layout, self.config.num_kv_blocks, self.config.block_size, self.device
         )
@@ -211,12 +214,14 @@ class EngineCore:
         output_ids: list[int] | None = None,
         preloaded: Preloaded | None = None,
         handoff: object = None,
+        drafts: list[int] | None = None,
     ) -> None:
         """Queue a request of this rank (``prompt_ids`` already tokenised).
 
         A request prefilled elsewhere comes with the tokens it already generated (``output_ids``,
-        not emitted again) and the prompt's KV (``preloaded``); a prefix read from the on-disk cache
-        comes as ``preloaded`` alone. With ``handoff`` set, the request stops here after its first
+        not emitted again), the prompt's KV (``preloaded``) and, from a drafting unit, the MTP
+        layer's ``drafts`` after its last token; a prefix read from the on-disk cache comes as
+        ``preloaded`` alone. With ``handoff`` set, the request stops here after its first
         token and its prompt KV is queued in :attr:`handoffs` for a decode unit.
         """
         params = params or SamplingParams()
@@ -240,6 +245,8 @@ class EngineCore:
             seq.output_ids = list(output_ids)
             text = detok.push(output_ids)
             seq.text = seq.stop_checker.check(text)[0] if seq.stop_checker else text
+        if drafts and self.mtp is not None:
+            seq.drafts = list(drafts[: self.num_speculative_tokens])
         self.requests[request_id] = seq
         self._detok[request_id] = detok
         self.scheduler.add(seq)
@@ -475,6 +482,7 @@ class EngineCore:
                 self.prompt_kv(seq),
                 seq.num_cached,
                 seq.handoff,
+                list(seq.drafts),
             )
         )
         self._finish(seq, "handoff")

@@ -93,14 +93,17 @@ class Scheduler:
                 continue
             cached = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids)
             start = self._preloaded_start(seq, cached)
-            length = min(seq.num_tokens - start, budget)
+            needed = seq.num_tokens - start
+            # a request handed off with its first drafts verifies them in its first step here
+            drafts = tuple(seq.drafts[: budget - 1]) if needed == 1 else ()
+            length = min(needed + len(drafts), budget)
             if not self.blocks.ensure_slots(seq.seq_id, start + length):
                 self.blocks.free(seq.seq_id)
                 break
             self.waiting.popleft()
             seq.status, seq.num_computed, seq.num_cached = Status.RUNNING, start, start
             self.running.append(seq)
-            out.append(Scheduled(seq, start, length))
+            out.append(Scheduled(seq, start, length, drafts))
             budget -= length
         return out, rejected
 

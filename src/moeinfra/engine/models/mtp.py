@@ -17,12 +17,14 @@ target's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.hf_config import CheckpointError, ModelConfig
-from moeinfra.engine.kv_cache import LayerCache
+from moeinfra.engine.kv_cache import KVLayout, LayerCache
 from moeinfra.engine.models.deepseek_v3 import (
     MoEBlock,
     attention_names,
@@ -88,6 +90,12 @@ class MTP(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` MTP outputs -> float32 draft logits ``[N, vocab]``."""
         return self.head(self.norm(hidden)).float()
+
+
+def with_mtp_layer(layout: KVLayout) -> KVLayout:
+    """``layout`` with one more layer: the MTP layer's MLA cache, at the same slots (what a unit
+    that drafts caches, hands off and stores on disk)."""
+    return dataclasses.replace(layout, num_layers=layout.num_layers + 1)
 
 
 def load_mtp(
