@@ -99,3 +99,19 @@ def test_blocks_survive_a_restart_and_no_temporary_file_is_left(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
     other = DiskKVCache(tmp_path, "model-b", BS, LAYERS, VALUES, torch.float32, 1 << 20)
     assert other.lookup(ids) is None  # another model's namespace
+
+
+def test_a_drafting_unit_leaves_out_the_last_block_of_a_hit(tmp_path):
+    """With the MTP layer cached (``reuse_last_block=False``) a block's last entry depends on the
+    token after it: a lookup uses a block only when the next one is on disk too, and a prompt
+    stores only the blocks a prompt token follows."""
+    cache = DiskKVCache(tmp_path, "mtp", BS, LAYERS, VALUES, torch.float32, 1 << 20, False)
+    ids, kv = list(range(100, 112)), _kv(12)  # 12 tokens: the third block ends the prompt
+    assert cache.store(ids, kv) == 2
+    longer = [*ids, 7, 8, 9]
+    hit = cache.lookup(longer)  # blocks 0 and 1 on disk: block 0 is used, block 1 recomputed
+    assert hit.start == 0 and torch.equal(hit.kv, kv[:, :4])
+    assert cache.cached_tokens(longer) == 4
+    assert cache.lookup(longer, skip_tokens=4) is None  # memory holds block 0: disk adds nothing
+    assert cache.lookup(ids[:5]) is None  # one block matches: it is the last
+    assert cache.stats.hit_tokens == 4

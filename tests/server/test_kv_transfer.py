@@ -10,10 +10,10 @@ from moeinfra.engine.sampling import SamplingParams
 from moeinfra.server.kv_transfer import TransferError, pack, unpack
 
 
-def _handoff(tokens=10, dtype=torch.float32):
+def _handoff(tokens=10, dtype=torch.float32, drafts=()):
     kv = torch.randn(3, tokens, 6).to(dtype)
     params = SamplingParams(max_tokens=5, seed=4)
-    return Handoff("r1", list(range(tokens)), [42], params, kv, 4, "tcp://x:1")
+    return Handoff("r1", list(range(tokens)), [42], params, kv, 4, "tcp://x:1", list(drafts))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,6 +25,15 @@ def test_round_trip(dtype):
     assert torch.equal(got.preloaded.kv, h.kv)
     assert (got.request_id, got.output_ids, got.params) == ("r1", [42], h.params)
     assert got.nbytes == h.kv.numel() * h.kv.element_size()
+    assert got.drafts == []
+
+
+def test_the_first_drafts_travel_with_the_kv():
+    """A drafting prefill unit's first MTP drafts reach the decode rank (verified in its first
+    step there)."""
+    h = _handoff(drafts=[7, 11])
+    got = unpack([bytes(f) for f in pack(h, block_size=4)], 3, 6, torch.float32)
+    assert got.drafts == [7, 11] and torch.equal(got.preloaded.kv, h.kv)
 
 
 def test_missing_damaged_and_mismatched_messages_are_refused():

@@ -26,20 +26,28 @@ def _engine_config(
     eplb,
     overlap,
     device,
+    speculative_tokens,
 ):
     from moeinfra.engine.config import EngineConfig
+    from moeinfra.errors import InputError
 
-    return EngineConfig(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        dtype=dtype,
-        redundant_experts=redundant,
-        eplb_interval=eplb or None,
-        overlap=overlap,
-        device=device,
-    )
+    try:
+        return EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=dtype,
+            redundant_experts=redundant,
+            eplb_interval=eplb or None,
+            overlap=overlap,
+            device=device,
+            num_speculative_tokens=speculative_tokens,
+        )
+    except InputError as exc:
+        raise InputError(
+            str(exc).replace("num_speculative_tokens=", "--speculative-tokens=")
+        ) from None
 
 
 _MODEL = typer.Option(
@@ -59,6 +67,12 @@ _DEVICE = typer.Option(
 )
 _REDUNDANT = typer.Option(0, "--redundant-experts", help="Extra expert slots per unit (EPLB).")
 _EPLB = typer.Option(0, "--eplb-interval", help="Rebalance experts every N steps (0: never).")
+_SPECULATIVE = typer.Option(
+    0,
+    "--speculative-tokens",
+    help="Draft tokens per decode step from the checkpoint's MTP layer, on every unit "
+    "(0 = no speculative decoding).",
+)
 _CACHE_BYTES = typer.Option(1 << 30, "--kv-cache-bytes", help="Byte cap of the on-disk KV cache.")
 _OVERLAP = typer.Option("auto", "--overlap", help="auto, none, prefill or decode.")
 _DELAY = typer.Option(
@@ -146,6 +160,7 @@ def register(app: typer.Typer) -> None:
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
+        speculative_tokens: int = _SPECULATIVE,
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
         autoscale: bool = typer.Option(
@@ -225,6 +240,7 @@ def register(app: typer.Typer) -> None:
                 eplb_interval,
                 overlap,
                 device,
+                speculative_tokens,
             ),
             served_model_name=served_model_name,
             max_queue=max_queue,
@@ -262,6 +278,7 @@ def register(app: typer.Typer) -> None:
         redundant_experts: int = _REDUNDANT,
         eplb_interval: int = _EPLB,
         overlap: str = _OVERLAP,
+        speculative_tokens: int = _SPECULATIVE,
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
         nproc_per_node: int | None = typer.Option(
@@ -316,6 +333,7 @@ def register(app: typer.Typer) -> None:
                 eplb_interval,
                 overlap,
                 device,
+                speculative_tokens,
             ),
             kv_host=kv_host,
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,

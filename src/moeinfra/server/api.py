@@ -176,6 +176,9 @@ def create_app(
                 "pids": [r.pid for r in u.ranks],
                 "device": u.ranks[0].info.get("device") if u.ranks else None,
                 "dtype": u.ranks[0].info.get("dtype") if u.ranks else None,
+                "speculative_tokens": u.ranks[0].info.get("num_speculative_tokens", 0)
+                if u.ranks
+                else None,
             }
             for u in router.units.values()
             if u.alive

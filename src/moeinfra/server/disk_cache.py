@@ -12,6 +12,12 @@ error) is deleted and counted as a miss. A read or write stamps the prompt's blo
 first block newest (a prefix's head is shared by more prompts than its tail, and a tail is
 useless without its head); when the directory passes its byte cap, the least recently used
 blocks go first.
+
+A unit that drafts with the MTP layer caches one more layer (a namespace of its own), whose entry
+at a block's last position depends on the token after the block. So, as the engine's in-memory
+prefix cache does with MTP (``reuse_last_block=False``), the last block of a hit is not used (it
+is recomputed, with the token that follows it in this prompt), and a prompt stores only the blocks
+a prompt token follows (not a last block whose next token was generated).
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ class DiskKVCache:
     """Prefix KV blocks of one model in ``root/<fingerprint>/``, at most ``capacity_bytes`` in all.
 
     ``layers``, ``values``: the cache layout (a block is ``[layers, block_size, values]`` of
-    ``dtype``).
+    ``dtype``). ``reuse_last_block=False`` (a unit drafting with MTP): a lookup leaves out the last
+    block of its hit and a prompt stores only the blocks a prompt token follows (module docstring).
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class DiskKVCache:
         values: int,
         dtype: torch.dtype,
         capacity_bytes: int,
+        reuse_last_block: bool = True,
     ) -> None:
         if capacity_bytes < 1:
             raise InputError(f"capacity_bytes={capacity_bytes} must be >= 1")
@@ -77,6 +85,7 @@ class DiskKVCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.block_size, self.layers, self.values, self.dtype = block_size, layers, values, dtype
         self.capacity_bytes = capacity_bytes
+        self.reuse_last_block = reuse_last_block
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.payload_bytes = layers * block_size * values * itemsize
         self.file_bytes = _HEADER.size + self.payload_bytes
@@ -108,7 +117,7 @@ class DiskKVCache:
             if not self._path(digest).exists():
                 break
             n += self.block_size
-        return n
+        return n if self.reuse_last_block else max(0, n - self.block_size)
 
     def lookup(self, token_ids: list[int], skip_tokens: int = 0) -> Preloaded | None:
         """KV of the longest run of cached blocks starting the prompt (leaving >= 1 token to
@@ -117,12 +126,19 @@ class DiskKVCache:
         digests = block_hashes(token_ids[: len(token_ids) - 1], self.block_size)
         first = skip_tokens // self.block_size
         blocks = []
-        for digest in digests[first:]:
+        for i, digest in enumerate(digests[first:], first):
+            # without the last block of a hit: a block is used only when the next one is there too
+            if not self.reuse_last_block and (
+                i + 1 == len(digests) or not self._path(digests[i + 1]).exists()
+            ):
+                break
             block = self._read(digest)
             if block is None:
                 break
             blocks.append(block)
-        self._stamp(digests[first : first + len(blocks)])
+        # (the block after the run too: the run is usable only while it is there)
+        follower = 0 if self.reuse_last_block or not blocks else 1
+        self._stamp(digests[first : first + len(blocks) + follower])
         self.stats.queried_tokens += len(token_ids)
         if not blocks:
             return None
@@ -148,8 +164,11 @@ class DiskKVCache:
 
     def store(self, token_ids: list[int], kv: torch.Tensor) -> int:
         """Write every full block of the prompt ``token_ids`` (KV ``[layers, >= tokens, values]``)
-        that is not on disk yet; returns how many blocks were written."""
+        that is not on disk yet (with ``reuse_last_block=False``, every full block a prompt token
+        follows); returns how many blocks were written."""
         written = 0
+        if not self.reuse_last_block:
+            token_ids = token_ids[: len(token_ids) - 1]
         digests = block_hashes(token_ids, self.block_size)
         for i, digest in enumerate(digests):
             path = self._path(digest)

@@ -9,8 +9,10 @@ one. torch.distributed point-to-point would need every prefill and decode rank i
 and a matching ``irecv`` posted in advance.
 
 A message is ``[header, block 0, block 1, ...]``: the header (pickled) names the request, its
-prompt and first tokens, sampling parameters, the tensor layout, and the CRC-32 of every block;
-each block frame is ``[layers, <= block_size tokens, values]`` of the cache dtype. The receiver
+prompt and first tokens, sampling parameters, the MTP layer's first drafts (a drafting unit's;
+the decode rank verifies them in its first step), the tensor layout, and the CRC-32 of every block;
+each block frame is ``[layers, <= block_size tokens, values]`` of the cache dtype (a drafting unit's
+``layers`` include the MTP layer's). The receiver
 checks the block count, every frame's size and checksum before the request may start decoding.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import pickle
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,7 +42,8 @@ class TransferError(ValueError):
 
 @dataclass
 class Arrival:
-    """A verified hand-off: what :meth:`~moeinfra.engine.core.EngineCore.add_request` needs."""
+    """A verified hand-off: what :meth:`~moeinfra.engine.core.EngineCore.add_request` needs
+    (``drafts``: the prefill unit's first drafts, empty without speculative decoding)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -49,6 +52,7 @@ class Arrival:
     preloaded: Preloaded
     num_cached_tokens: int
     nbytes: int
+    drafts: list[int] = field(default_factory=list)
 
 
 def pack(handoff: Handoff, block_size: int) -> list:
@@ -65,6 +69,7 @@ def pack(handoff: Handoff, block_size: int) -> list:
         "output_ids": handoff.output_ids,
         "params": handoff.params,
         "num_cached_tokens": handoff.num_cached_tokens,
+        "drafts": [int(t) for t in handoff.drafts],
         "shape": (layers, tokens, values),
         "dtype": str(kv.dtype),
         "block_size": block_size,
@@ -110,4 +115,5 @@ def unpack(frames: list, layers: int, values: int, dtype: torch.dtype) -> Arriva
         Preloaded(0, kv),
         header["num_cached_tokens"],
         raw.nbytes,
+        list(header.get("drafts", ())),
     )

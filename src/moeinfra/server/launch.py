@@ -149,22 +149,23 @@ def unit_command(
             continue
         if f.name not in UNIT_ENGINE_FLAGS:
             raise InputError(f"engine option {f.name}={value!r} cannot be passed to a unit")
-        cmd += ["--" + f.name.replace("_", "-"), str(value)]
+        cmd += [UNIT_ENGINE_FLAGS[f.name], str(value)]
     return cmd
 
 
-#: Engine options ``moeinfra serve unit`` takes as flags (the others keep their defaults).
-UNIT_ENGINE_FLAGS = (
-    "block_size",
-    "num_kv_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "dtype",
-    "device",
-    "redundant_experts",
-    "eplb_interval",
-    "overlap",
-)
+#: Engine options ``moeinfra serve unit`` takes, and their flags (the others keep their defaults).
+UNIT_ENGINE_FLAGS = {
+    "block_size": "--block-size",
+    "num_kv_blocks": "--num-kv-blocks",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "dtype": "--dtype",
+    "device": "--device",
+    "redundant_experts": "--redundant-experts",
+    "eplb_interval": "--eplb-interval",
+    "overlap": "--overlap",
+    "num_speculative_tokens": "--speculative-tokens",
+}
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -198,14 +199,15 @@ def serve(options: ServeOptions, announce=print) -> int:
     from moeinfra.server.api import ServerLimits, create_app
     from moeinfra.server.metrics import ServerMetrics
     from moeinfra.server.router import Router
-    from moeinfra.server.unit import config_digest
+    from moeinfra.server.unit import check_drafting, config_digest
 
     model_dir = Path(options.model) if options.model is not None else default_model()
     raw = read_config(model_dir)
     source = str(model_dir / "config.json")
     model_config = architecture(raw["model_type"], source).parse_config(raw, source)
-    tokenizer = Tokenizer(model_dir)
     engine = options.engine
+    check_drafting(model_dir, engine.num_speculative_tokens)
+    tokenizer = Tokenizer(model_dir)
     per_rank_tokens = engine.num_kv_blocks * engine.block_size
     max_model_len = options.max_model_len or min(
         model_config.max_position_embeddings, per_rank_tokens
@@ -223,6 +225,7 @@ def serve(options: ServeOptions, announce=print) -> int:
         max_queue=options.max_queue,
         unit_timeout_s=options.unit_timeout_s,
         metrics=metrics,
+        drafting=engine.num_speculative_tokens > 0,
     )
     cache_probe = None
     if options.kv_cache_dir is not None:
@@ -320,12 +323,16 @@ def _draining_server_class():
 def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: EngineConfig):
     """``prompt_ids -> tokens on disk`` for the prefill balancer (files present, not read)."""
     from moeinfra.engine.device import resolve_device, resolve_dtype
+    from moeinfra.engine.models.mtp import with_mtp_layer
     from moeinfra.engine.registry import architecture
     from moeinfra.server.disk_cache import DiskKVCache, model_fingerprint
 
     arch = architecture(model_config.model_type, str(model_dir))
     dtype = resolve_dtype(engine.dtype, resolve_device(engine.device))  # as the units resolve it
     layout = arch.kv_layout(model_config, dtype)
+    drafting = engine.num_speculative_tokens > 0
+    if drafting:  # a drafting unit caches (and stores) the MTP layer's KV too
+        layout = with_mtp_layer(layout)
     shape = (layout.num_layers, layout.values_per_token)
     fingerprint = model_fingerprint(
         (model_dir / "config.json").read_bytes(), layout.dtype, engine.block_size, shape
@@ -338,6 +345,7 @@ def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: En
         shape[1],
         layout.dtype,
         options.kv_cache_bytes,
+        reuse_last_block=not drafting,
     )
     return cache.cached_tokens
 

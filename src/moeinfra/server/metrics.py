@@ -3,7 +3,9 @@
 Per request: TTFT, TPOT (mean gap after the first token) and every inter-token gap, as histograms;
 prompt, generated and prefix-cache-hit tokens, finished requests by reason. Per unit (labels
 ``unit``, ``role``): waiting and running requests, KV blocks used and total, expert balancedness,
-KV bytes sent and received. Units alive by role, requests in flight.
+KV bytes sent and received. Units alive by role, requests in flight. MTP speculative decoding
+(vLLM's ``spec_decode_*`` counters): verification rounds with drafts, draft tokens, accepted draft
+tokens, and accepted drafts per draft position (label ``position``, 0 = the first draft).
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ class ServerMetrics:
         self.kv_received = Gauge(
             "moeinfra:kv_transfer_received_bytes", "KV bytes received", labels, registry=r
         )
+        self.spec_drafts = Counter(
+            "moeinfra:spec_decode_num_drafts",
+            "Verification rounds of a request with MTP drafts",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "moeinfra:spec_decode_num_draft_tokens", "MTP draft tokens proposed", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "moeinfra:spec_decode_num_accepted_tokens", "MTP draft tokens accepted", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "moeinfra:spec_decode_num_accepted_tokens_per_pos",
+            "MTP draft tokens accepted at each draft position (0: the first draft)",
+            ["position"],
+            registry=r,
+        )
 
     def unit_state(self, unit) -> None:
         """Set a unit's gauges from its ranks' latest state reports (sums over the ranks)."""
@@ -97,6 +116,26 @@ class ServerMetrics:
         balance = unit.expert_balancedness()
         if balance is not None:
             self.balancedness.labels(*labels).set(balance)
+
+    def spec_decode(self, previous: dict, report: dict) -> None:
+        """Add what a rank drafted and had accepted between two of its state reports (each
+        carries the rank's totals so far) to the ``spec_decode`` counters."""
+
+        def grown(key: str) -> int:
+            return max(0, report.get(key, 0) - previous.get(key, 0))
+
+        for counter, key in (
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted_tokens, "spec_num_accepted_tokens"),
+        ):
+            if grown(key):
+                counter.inc(grown(key))
+        before = previous.get("spec_accepted_per_pos", ())
+        for pos, count in enumerate(report.get("spec_accepted_per_pos", ())):
+            # every position appears (at 0 before any acceptance), as vLLM's do
+            more = count - (before[pos] if pos < len(before) else 0)
+            self.spec_accepted_per_pos.labels(str(pos)).inc(max(0, more))
 
     def unit_gone(self, unit) -> None:
         for gauge in (

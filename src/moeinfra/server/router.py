@@ -191,9 +191,13 @@ class Router:
         max_queue: int = 64,
         unit_timeout_s: float = 10.0,
         metrics=None,
+        drafting: bool | None = None,
     ) -> None:
         self.control_address = control_address
         self.model_digest = model_digest
+        # units must agree on the KV layout a hand-off carries: with the MTP layer's (drafting)
+        # or without; None: whatever the first unit does
+        self.drafting = drafting
         self.max_queue = max_queue
         self.unit_timeout_s = unit_timeout_s
         self.metrics = metrics
@@ -410,7 +414,7 @@ class Router:
             for out in message[1]:
                 self._output(rank, out)
         elif kind == "state":
-            rank.report = message[1]
+            previous, rank.report = rank.report, message[1]
             steps = rank.report.pop("steps", ())
             rank.steps.extend(steps)
             rank.busy_s += sum(row[5] for row in steps)
@@ -420,6 +424,7 @@ class Router:
             rank.reported_at = now
             if self.metrics is not None:
                 self.metrics.unit_state(rank.unit)
+                self.metrics.spec_decode(previous, rank.report)
         elif kind == "failed":
             tracked = self._current(message[1])
             if tracked is not None:
@@ -433,8 +438,22 @@ class Router:
         unit = self.units.get(info["unit"])
         if unit is None:  # a unit started elsewhere joins
             unit = self.expect_unit(info["unit"], info["role"], info["ranks"])
+        drafting = info.get("num_speculative_tokens", 0) > 0
+        refused = None
         if info["model"] != self.model_digest:
-            self.notes.append(f"unit {info['unit']} serves another model; told to stop")
+            refused = "serves another model"
+        elif self.drafting is None:
+            self.drafting = drafting
+        elif drafting != self.drafting:
+            # its KV would lack (or carry) the MTP layer's rows the other units hand off
+            refused = (
+                "drafts with the MTP layer, the server's units do not (--speculative-tokens)"
+                if drafting
+                else "does not draft with the MTP layer, the server's units do "
+                "(--speculative-tokens)"
+            )
+        if refused is not None:
+            self.notes.append(f"unit {info['unit']} {refused}; told to stop")
             rank = RankState(unit, info["rank"], identity, None, 0)
             self._send(rank, ("shutdown",))
             unit.alive = False

@@ -6,7 +6,7 @@ write the on-disk prefix cache), ``decode`` (receive hand-offs, generate the res
 (both, no hand-off). Each rank connects a ``DEALER`` socket to the server's control address (its
 identity ``<unit>/<rank>``), says hello, then runs the engine loop
 (:func:`~moeinfra.engine.worker.serve_loop`): requests and aborts come in, step outputs, hand-off
-notices and a state report (queues, KV blocks, expert balancedness) every
+notices and a state report (queues, KV blocks, expert balancedness, MTP drafts) every
 ``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefill ranks push KV to.
 
 :func:`run_unit` is what ``moeinfra serve unit`` runs: it spawns the ranks and exits with them
@@ -61,6 +61,30 @@ def config_digest(model_dir: str | Path) -> str:
     ).hexdigest()
 
 
+def check_drafting(model_dir: str | Path, num_speculative_tokens: int) -> None:
+    """Refuse ``--speculative-tokens`` above 0 for a checkpoint without an MTP layer (before any
+    process starts): a :class:`~moeinfra.engine.hf_config.CheckpointError` naming the field."""
+    if not num_speculative_tokens:
+        return
+    from moeinfra.engine.hf_config import CheckpointError, read_config
+    from moeinfra.engine.registry import architecture
+
+    source = str(Path(model_dir) / "config.json")
+    raw = read_config(Path(model_dir))
+    arch = architecture(raw["model_type"], source)
+    config = arch.parse_config(raw, source)
+    if arch.load_mtp is None:
+        raise CheckpointError(
+            f"{source}: model_type={config.model_type!r} has no MTP draft support, so "
+            f"--speculative-tokens={num_speculative_tokens} must be 0"
+        )
+    if config.num_mtp_layers < 1:
+        raise CheckpointError(
+            f"{source}: num_nextn_predict_layers={config.num_mtp_layers}: the checkpoint has no "
+            f"MTP layer, so --speculative-tokens={num_speculative_tokens} must be 0"
+        )
+
+
 def _disk_cache(spec: UnitSpec, core):
     if spec.disk_cache_dir is None or spec.role == "decode":
         return None
@@ -81,6 +105,7 @@ def _disk_cache(spec: UnitSpec, core):
         data.shape[2],
         data.dtype,
         spec.disk_cache_bytes,
+        reuse_last_block=core.mtp is None,
     )
 
 
@@ -172,6 +197,7 @@ class RankServer:
                     "max_num_seqs": self.core.config.max_num_seqs,
                     "max_num_batched_tokens": self.core.config.max_num_batched_tokens,
                     "redundant_experts": self.core.config.redundant_experts,
+                    "num_speculative_tokens": self.core.num_speculative_tokens,
                     "dtype": str(self.core.dtype).removeprefix("torch."),
                     "device": str(self.core.device),
                     "model": config_digest(self.spec.model_dir),
@@ -238,6 +264,7 @@ class RankServer:
             arrival.params,
             output_ids=arrival.output_ids,
             preloaded=arrival.preloaded,
+            drafts=arrival.drafts,
         )
 
     def emit(self, outputs) -> None:
@@ -292,6 +319,7 @@ class RankServer:
         core = self.core
         self.last_report = now
         disk = self.disk.stats if self.disk is not None else None
+        spec = core.spec_stats
         self._send(
             (
                 "state",
@@ -308,6 +336,11 @@ class RankServer:
                     "rebalances": core.rebalances,
                     "kv_sent_bytes": self.sent_bytes,
                     "kv_received_bytes": self.received_bytes,
+                    # cumulative, as SpecStats counts them (the server adds the increments)
+                    "spec_num_drafts": spec.num_drafts,
+                    "spec_num_draft_tokens": spec.num_draft_tokens,
+                    "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                    "spec_accepted_per_pos": spec.per_position.tolist(),
                     "steps": self._new_steps(),
                 },
             )
@@ -431,6 +464,7 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
 
     if spec.role not in ROLES:
         raise ValueError(f"role={spec.role!r} is not one of {', '.join(ROLES)}")
+    check_drafting(spec.model_dir, spec.engine.num_speculative_tokens)
     if spec.ranks == 1:
         if parent_pid is not None:
             _watch_parent(parent_pid, lambda: os._exit(1))
