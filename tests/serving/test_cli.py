@@ -304,7 +304,7 @@ def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
     def step_ms(hardware, micro_batches):
         result = cli(
             "model", "--phase", "prefill", "--nodes", "3", "--hardware", hardware,
-            "--micro-batches", str(micro_batches), "--json",
+            "--micro-batches", str(micro_batches), "--calibration", "none", "--json",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         payload = json.loads(result.stdout)
@@ -389,7 +389,7 @@ def test_plan_a_long_context_workload_under_v3_and_v32():
         result = cli(
             "plan", "--demand", "100000", "--lengths", "64000:1000", "--hours", "0.25",
             "--scale", "20", "--micro-batches", "2", "--modes", "disaggregated",
-            "--model", model, "--json",
+            "--model", model, "--calibration", "none", "--json",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
@@ -411,3 +411,45 @@ def test_position_cost_against_the_published_curve():
     table = cli("position-cost")
     assert table.returncode == 0, table.stderr
     assert "model against published" in table.stdout and "128K" in table.stdout
+
+
+def test_every_number_serve_prints_for_people_follows_the_one_rule(tmp_path):
+    """simulate (calibrated, with its ranges, and not), a replay with refusals, plan, model,
+    frontier and position-cost print every number as moeinfra.numfmt.format_number does (issue
+    #40): no 0.1000, 1574.3 or 606.8B; the JSON keeps raw numbers."""
+    import os
+
+    from tests.test_cli_main import assert_numbers_follow_the_rule
+
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        json.dumps({"timestamp": i * 40, "input_length": 900 + 7 * i, "output_length": 30 + i})
+        for i in range(60)
+    ]
+    lines.append(json.dumps({"timestamp": 2500, "input_length": 131_000, "output_length": 100}))
+    trace.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, COLUMNS="250")  # wide: rich folds no number across lines
+    runs = [
+        ["simulate", "--hours", "0.05", "--scale", "1000"],
+        ["simulate", "--hours", "0.05", "--scale", "1000", "--calibration", "none"],
+        ["simulate", "--workload", str(trace)],
+        ["plan", "--demand", "20000", "--hours", "0.05", "--modes", "disaggregated",
+         "--prefill-nodes", "4", "--decode-nodes", "4,18", "--micro-batches", "2"],
+        ["model", "--phase", "prefill"],
+        ["model", "--calibration", "none"],
+        ["frontier", "--nodes", "8,18"],
+        ["position-cost"],
+    ]  # fmt: skip
+    text = ""
+    for args in runs:
+        done = subprocess.run(
+            [sys.executable, "-m", "moeinfra.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, (args, done.stderr)
+        text += done.stdout.replace(str(tmp_path), "")
+    assert "(context: 1)" in text and "range (calibration" in text
+    assert assert_numbers_follow_the_rule(text) > 300

@@ -73,13 +73,14 @@ def test_the_batch_load_and_the_advance_of_two_requests_by_hand():
     finish, tpot = np.full(2, np.nan), np.full(2, np.nan)
     status = np.full(2, RUNNING, dtype=np.int8)
     step = np.array([0.1])
-    running, produced, kv_sum, unit_tokens, started = advance_batch(
+    running, produced, whole, kv_sum, unit_tokens, started = advance_batch(
         a_idx, a_unit, a_done, a_from, run_s, remaining, np.array([0.0, 0.5]), step, 1.0, 2.0,
         inputs, outputs, first_token, finish, tpot, status, COMPLETED, 1,
     )  # fmt: skip
     assert running == 1 and a_idx[0] == 1 and a_from[0] == 2.0
     assert a_done[0] == 20.0  # (1.5 - 0.5 held) / 0.1 = 10 tokens
     assert produced == 12.0 and unit_tokens[0] == 12.0 and started[0] == 2
+    assert whole == 12  # whole tokens: 2 to finish request 0, 10 more of request 1
     assert kv_sum == 2 * (102 + 1) + 10 * (210 + 5)
     assert status.tolist() == [COMPLETED, RUNNING]
     assert finish[0] == 0.2 and tpot[0] == (0.2 + 1.0) / 3

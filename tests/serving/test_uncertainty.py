@@ -173,8 +173,26 @@ def test_simulate_reports_ranges_from_the_calibration_in_force(tmp_path):
     exact = cli("simulate", "--hours", "0.25", "--scale", "400", "--calibration", "deepseek-h800")
     assert exact["ranges"]["ttft_p95_s"] == [exact["ttft_s"]["p95"]] * 2
     assert "no spread" in exact["range_method"]
-    plain = cli("simulate", "--hours", "0.25", "--scale", "400")
+    plain = cli("simulate", "--hours", "0.25", "--scale", "400", "--calibration", "none")
     assert plain["ranges"] is None and "no residuals" in plain["range_method"]
+    assert plain["calibration"] == "none"
+
+
+def test_h800_defaults_to_the_rtp_llm_calibration_and_other_hardware_to_none():
+    """The default calibration on H800 is rtp-llm-h800 (fitted on RTP-LLM's EP144 decode curve,
+    never on DeepSeek's day); first principles are --calibration none; hardware with no shipped
+    calibration, and measured kernels, default to none."""
+    default = cli("simulate", "--hours", "0.05", "--scale", "1000")
+    named = cli("simulate", "--hours", "0.05", "--scale", "1000", "--calibration", "rtp-llm-h800")
+    assert default["calibration"]["name"] == "rtp-llm-h800"
+    assert default == named
+    assert default["ranges"] is not None
+    for command in (["model"], ["frontier", "--nodes", "18"], ["position-cost"]):
+        assert cli(*command)["calibration"]["name"] == "rtp-llm-h800"
+        assert cli(*command, "--hardware", "h100")["calibration"] == "none"
+    plan = cli("plan", "--demand", "20000", "--hours", "0.05", "--modes", "disaggregated",
+               "--prefill-nodes", "4", "--decode-nodes", "18", "--micro-batches", "2")  # fmt: skip
+    assert plan["calibration"]["name"] == "rtp-llm-h800"
 
 
 def test_plan_reports_ranges(tmp_path):

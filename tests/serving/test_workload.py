@@ -86,7 +86,8 @@ def test_prefix_cache_stores_prompts_and_outputs():
     cache = PrefixCache(block_tokens=4)
     assert cache.serve([1, 2, 3], input_tokens=10, output_tokens=7) == 0  # writes 2 + 2 full blocks
     assert cache.serve([1, 2, 5, 6, 7], input_tokens=20, output_tokens=1) == 16  # 2 + 2 written
-    assert cache.serve([1, 2, 3], input_tokens=10, output_tokens=1) == 12  # all three stored
+    # blocks 1 and 2 whole, and of block 3 the 2 tokens the first prompt ended with
+    assert cache.serve([1, 2, 3], input_tokens=10, output_tokens=1) == 10
     assert cache.serve([9], input_tokens=3, output_tokens=50) == 0  # no full block: no key
 
 
@@ -136,19 +137,26 @@ def test_lengths_ids_and_context_are_checked_per_line(tmp_path):
         (3, "input_length='12' must be a whole number"),
         (4, "hash_ids='abc' must be a list of block ids"),
         (5, "hash_ids=[1, [2]] must be a list of block ids"),
-        (6, "input_length + output_length = 131,100 tokens exceeds the model's context of 131,072"),
-        (7, "exceeds the model's context"),
     ):
         one = tmp_path / f"line{line_no}.jsonl"
         one.write_text(lines[line_no - 1] + "\n")
         with pytest.raises(InputError, match=rf"line{line_no}\.jsonl:1: .*{re.escape(message)}"):
             read_trace(one)
     w, bad = read_trace(path, skip_bad=True)
-    assert bad == 6
+    assert bad == 4  # malformed lines only
     assert w.input_tokens.tolist() == [10, 1024, 131000]
     assert w.cached_tokens.tolist() == [0, 0, 0]
+    # longer than the context (lines 6 and 7): arrived and refused, as a server answers them
+    assert w.refused == {"context": 2}
+    assert w.refused_s["context"].tolist() == [0.005, 0.006]
     short, _ = read_trace(path, skip_bad=True, max_context=2048)
-    assert short.input_tokens.tolist() == [10, 1024]
+    assert short.input_tokens.tolist() == [10, 1024] and short.refused == {"context": 3}
+    over = tmp_path / "over.jsonl"
+    over.write_text(lines[5] + "\n")
+    with pytest.raises(
+        InputError, match="holds no request to serve \\(1 exceed the model's context"
+    ):
+        read_trace(over)
 
 
 def test_a_line_longer_than_the_limit_is_refused_without_reading_it_whole(tmp_path, monkeypatch):

@@ -79,8 +79,33 @@ CALIBRATION_HELP = (
     "none (the first-principles model), deepseek-h800, sglang-h100 or rtp-llm-h800 (shipped: "
     "fitted on DeepSeek's H800 profiles / SGLang's H100 figures / RTP-LLM's H800 EP144 decode "
     "curve) or a calibration file written by moeinfra serve "
-    "calibrate: its hardware, model, unit shapes and fitted factors are used."
+    "calibrate: its hardware, model, unit shapes and fitted factors are used "
+    "[rtp-llm-h800 on h800 with first-principles kernels, none elsewhere]."
 )
+
+
+def _calibration_name(value: str | None, hardware: str, kernels: str = "first-principles") -> str:
+    """``--calibration`` as given, or the default: the shipped calibration of ``hardware``
+    (``rtp-llm-h800`` on h800), none beside measured kernels or where none is shipped."""
+    from moeinfra.serving.calibration import default_calibration
+
+    if value is not None:
+        return value
+    return default_calibration(hardware) if kernels == "first-principles" else "none"
+
+
+def _n(value) -> str:
+    """A number for people (:func:`moeinfra.numfmt.format_number`), ``n/a`` when missing."""
+    from moeinfra.numfmt import format_number
+
+    return "n/a" if value is None else format_number(value)
+
+
+def _signed_percent(fraction: float) -> str:
+    """``+38%``, ``-0.2%``, ``0%`` (:func:`moeinfra.numfmt.percent` with the sign of a change)."""
+    from moeinfra.numfmt import percent
+
+    return ("+" if fraction > 0 else "") + percent(fraction)
 
 
 def _calibration(value: str):
@@ -114,7 +139,7 @@ def _load_workload(
         path, skip_bad=skip_bad, hit_ratio=hit_ratio, hash_block_tokens=hash_block_tokens
     )
     if bad:
-        typer.echo(f"skipped {bad} bad line(s) in {path}", err=True)
+        typer.echo(f"skipped {_n(bad)} bad line(s) in {path}", err=True)
     return workload.with_demand_scale(demand_scale), bad
 
 
@@ -199,20 +224,13 @@ def _model_line(model) -> str:
     )
 
 
+_SKIP_BAD_HELP = (
+    "Skip and count malformed trace lines (a request longer than the model's context is not "
+    "malformed: it is refused and counted as rejected, as a server would)."
+)
 _DEMAND_SCALE_HELP = (
     "Multiply the demand: each request of the trace (or of the generated day) stands for this many."
 )
-
-
-def format_figure(value: float | None) -> str:
-    """Readable figure: 606.8B, 87,072, 5.449 (n/a for a missing value)."""
-    if value is None or value != value:
-        return "n/a"
-    if abs(value) >= 1e9:
-        return f"{value / 1e9:,.1f}B"
-    if abs(value) >= 1e4:
-        return f"{value:,.0f}"
-    return f"{value:,.4g}"
 
 
 def _hourly_csv(rows: list[dict]) -> str:
@@ -254,7 +272,7 @@ def simulate_cmd(
         "--decode-unit",
         help="Decode unit: NODES[:REDUNDANT_EXPERTS] [18:32, or the calibration's].",
     ),
-    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     tick: str = typer.Option(
         "2s",
         "--tick",
@@ -301,7 +319,7 @@ def simulate_cmd(
         "deepseek", "--balancer", help="deepseek or baseline (round robin / least requests)."
     ),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
-    skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count bad trace lines."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help=_SKIP_BAD_HELP),
     hit_ratio: float = typer.Option(
         0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
     ),
@@ -321,6 +339,7 @@ def simulate_cmd(
     """Simulate a fleet over a day (default: DeepSeek's published day) and report cost and latency."""
     from tqdm import tqdm
 
+    from moeinfra.serving.prefill_ticks import PrefillShare
     from moeinfra.serving.scenario import PUBLISHED, build_scenario, published_vs_simulated
     from moeinfra.serving.simulate import SimConfig
     from moeinfra.serving.uncertainty import (
@@ -336,6 +355,7 @@ def simulate_cmd(
     check_positive(demand_scale, "--demand-scale")
     check_positive(hours, "--hours")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
+    calibration = _calibration_name(calibration, hardware, kernels)
     tables = _kernel_tables(kernels, calibration, hardware)
     cal = _calibration(calibration)
     served = _served_model(model, kv_cache_dtype, cal)
@@ -383,6 +403,9 @@ def simulate_cmd(
         balancer=balancer,
         drain_s=3600.0 if drain and workload is not None else 0.0,
     )
+    # the range runs scale decode (and prefill where the calibration moves it): those that leave
+    # prefill as it was read the first run's prefill ticks back
+    share = PrefillShare() if runs == 3 else None
     with tqdm(total=total_h * runs, unit="h", desc="simulated", disable=not show) as bar:
 
         def run(scn, done_h: float):
@@ -390,15 +413,17 @@ def simulate_cmd(
                 bar.n = round(done_h + min(t_s / 3600.0, total_h), 2)
                 bar.refresh()
 
-            return scn.run(config, progress=progress)
+            return scn.run(config, progress=progress, prefill_share=share)
 
         result = run(built, 0.0)
         payload = result.to_dict()
         point = simulate_figures(payload)
+        # the same requests (not generated again), every step time at the bound
+        same_requests = scenario_args | {"workload": built.workload}
         bound_figures = [
             simulate_figures(
                 run(
-                    build_scenario(scenario, **scenario_args, time_scale=bounds[side]),
+                    build_scenario(scenario, **same_requests, time_scale=bounds[side]),
                     total_h * (k + 1),
                 ).to_dict()
             )
@@ -447,25 +472,34 @@ def simulate_cmd(
         return
     console = Console()
     table = Table(
-        title=f"{payload['workload']} on {payload['hardware']} ({payload['hours']:.2f} h, "
+        title=f"{payload['workload']} on {payload['hardware']} ({_n(payload['hours'])} h, "
         f"calibration {'none' if cal is None else cal.name})"
     )
     spread = payload["ranges"] if runs == 3 else None
 
-    def span(key: str, unit: float = 1.0, fmt=format_figure) -> str:
+    def span(key: str, unit: float = 1.0) -> str:
         lo, hi = (spread or {}).get(key, (None, None))
-        return "" if lo is None else f"{fmt(lo * unit)} - {fmt(hi * unit)}"
+        return "" if lo is None else f"{_n(lo * unit)} - {_n(hi * unit)}"
 
+    # a narrow terminal wraps the labels and folds a long number, never cuts one short
     table.add_column("figure")
-    table.add_column("simulated", justify="right")
+    table.add_column("simulated", justify="right", overflow="fold")
     if spread:
-        table.add_column("range (calibration)", justify="right")
+        table.add_column("range (calibration)", justify="right", overflow="fold")
     if workload is None and hours is None:
-        table.add_column("published", justify="right")
-        table.add_column("difference", justify="right")
+        table.add_column("published", justify="right", overflow="fold")
+        table.add_column("difference", justify="right", overflow="fold")
         rows = zip(PUBLISHED, published_vs_simulated(result.totals), strict=True)
         for key, (label, published, simulated, diff) in rows:
-            cells = [format_figure(simulated), format_figure(published), f"{diff:+.1%}"]
+            if key.endswith("tokens"):  # the unit in the label, as the report has it
+                label, published, simulated = (
+                    f"{label} (billions)",
+                    published / 1e9,
+                    simulated / 1e9,
+                )
+            elif key == "margin":
+                label, published, simulated = f"{label} (%)", published * 100, simulated * 100
+            cells = [_n(simulated), _n(published), _signed_percent(diff)]
             table.add_row(label, *cells[:1], *([span(key)] if spread else []), *cells[1:])
     else:
         for key in (
@@ -480,21 +514,27 @@ def simulate_cmd(
             "decode_tokens_per_s_per_node",
             "mean_output_tokens_per_s",
         ):
-            table.add_row(key, format_figure(payload[key]), *([span(key)] if spread else []))
+            table.add_row(key, _n(payload[key]), *([span(key)] if spread else []))
     console.print(table)
     if served is not None:
         console.print(_model_line(served))
     req = payload["requests"]
-    ttft_range = span("ttft_p95_s", fmt=lambda v: f"{v:.3f}")
-    tpot_range = span("tpot_p95_s", 1e3, fmt=lambda v: f"{v:.1f}")
+    ttft_range = span("ttft_p95_s")
+    tpot_range = span("tpot_p95_s", 1e3)
+    refused = {k: v for k, v in payload["rejected_by_reason"].items() if v}
     console.print(
-        f"requests: {req['arrived']:,.0f} arrived = {req['completed']:,.0f} completed + "
-        f"{req['running']:,.0f} running + {req['rejected']:,.0f} rejected; "
-        f"TTFT p95 {payload['ttft_s'].get('p95', float('nan')):.3f} s"
+        f"requests: {_n(req['arrived'])} arrived = {_n(req['completed'])} completed + "
+        f"{_n(req['running'])} running + {_n(req['rejected'])} rejected"
+        + (
+            " (" + ", ".join(f"{reason}: {_n(count)}" for reason, count in refused.items()) + ")"
+            if refused
+            else ""
+        )
+        + f"; TTFT p95 {_n(payload['ttft_s'].get('p95', float('nan')))} s"
         + (f" ({ttft_range})" if ttft_range else "")
-        + f", TPOT p95 {payload['tpot_s'].get('p95', float('nan')) * 1e3:.1f} ms"
+        + f", TPOT p95 {_n(payload['tpot_s'].get('p95', float('nan')) * 1e3)} ms"
         + (f" ({tpot_range})" if tpot_range else "")
-        + f", inter-token latency p99 {payload['itl_s'].get('p99', float('nan')) * 1e3:.1f} ms"
+        + f", inter-token latency p99 {_n(payload['itl_s'].get('p99', float('nan')) * 1e3)} ms"
     )
 
 
@@ -595,12 +635,12 @@ def plan_cmd(
     gpu_hour_usd: float | None = typer.Option(
         None, "--gpu-hour-usd", help="GPU-hour price (default: the hardware preset's)."
     ),
-    skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip and count bad trace lines."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help=_SKIP_BAD_HELP),
     hit_ratio: float = typer.Option(
         0.0, "--hit-ratio", help="Cache-hit share for traces without hash_ids."
     ),
     demand_scale: float = typer.Option(1.0, "--demand-scale", help=_DEMAND_SCALE_HELP),
-    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
@@ -618,7 +658,7 @@ def plan_cmd(
         ranges,
         step_time_bounds,
     )
-    from moeinfra.serving.workload import constant_demand, deepseek_day
+    from moeinfra.serving.workload import constant_demand, deepseek_day, real_count, real_parts
 
     slo_ttft_s = parse_duration_s(slo_ttft_p95, "--slo-ttft-p95")
     slo_tpot_s = parse_duration_s(slo_tpot, "--slo-tpot")
@@ -662,6 +702,7 @@ def plan_cmd(
     if out is not None:
         output_folder(out, "--out")
     hw = priced_hardware(hardware, gpu_hour_usd)
+    calibration = _calibration_name(calibration, hardware, kernels)
     tables = _kernel_tables(kernels, calibration, hardware)
     shapes = candidate_shapes(
         modes=chosen_modes,
@@ -683,10 +724,10 @@ def plan_cmd(
     elif demand is not None:
         check_positive(demand, "--demand")
         trace = constant_demand(demand * demand_scale, hours, scale, lengths=_lengths(lengths))
-        source = f"{demand * demand_scale:,.0f} output tokens/s"
+        source = f"{_n(demand * demand_scale)} output tokens/s"
     else:
         trace = deepseek_day(scale=scale, hours=hours, demand_scale=demand_scale)
-        source = f"DeepSeek's day, first {hours:g} h"
+        source = f"DeepSeek's day, first {_n(hours)} h"
     args = dict(
         slo_ttft_p95_s=slo_ttft_s,
         slo_tpot_p95_s=slo_tpot_s,
@@ -716,6 +757,13 @@ def plan_cmd(
         "step_time_bounds": bounds or None,
         "model": _model_summary(served or (DEEPSEEK_V3 if cal is None else cal.model)),
     }
+    # requests refused on arrival (longer than the model's context): counted, not planned for
+    refused = real_parts(list(trace.refused.values()), trace.scale)
+    payload["requests"] = {
+        "arrived": real_count(trace.size + sum(trace.refused.values()), trace.scale),
+        "rejected": sum(refused),
+    }
+    payload["rejected_by_reason"] = dict(zip(trace.refused, refused, strict=True))
     if out is not None:
         from moeinfra.atomicio import write_text_atomic
         from moeinfra.serving.figures import plot_plan
@@ -730,10 +778,10 @@ def plan_cmd(
 
 def _print_plan(result, source: str, payload: dict, bound_figures: list, served=None) -> None:
     def ms(value):
-        return "-" if value is None else f"{value * 1e3:,.0f}"
+        return "-" if value is None else _n(value * 1e3)
 
     table = Table(
-        title=f"shapes searched for {source} ({payload['hours']:.2f} h); p95 figures, "
+        title=f"shapes searched for {source} ({_n(payload['hours'])} h); p95 figures, "
         "both: aggregated units, R: redundant experts, mb: micro-batches"
     )
     shapes = [o.shape for o in result.options]
@@ -753,52 +801,60 @@ def _print_plan(result, source: str, payload: dict, bound_figures: list, served=
         s = o.shape
         table.add_row(
             "both" if s.phase == "colocated" else s.phase,
-            str(s.nodes),
-            str(s.redundant_experts),
-            str(s.micro_batches),
-            *((f"{s.mtp_acceptance:g}" if s.mtp_acceptance else "off",) if with_mtp else ()),
+            _n(s.nodes),
+            _n(s.redundant_experts),
+            _n(s.micro_batches),
+            *((_n(s.mtp_acceptance) if s.mtp_acceptance else "off",) if with_mtp else ()),
             *(
-                ("none" if s.max_batch_per_gpu is None else f"{s.max_batch_per_gpu:g}",)
+                ("none" if s.max_batch_per_gpu is None else _n(s.max_batch_per_gpu),)
                 if with_limit
                 else ()
             ),
-            str(o.units),
+            _n(o.units),
             ms(o.ttft_p95_s),
             ms(o.tpot_p95_s),
             "met" if o.meets_slo else "missed",
-            f"{o.cost_usd:,.2f}",
+            _n(o.cost_usd),
         )
     console = Console()
     console.print(table)
     if pruned:
         console.print(
-            f"{pruned} more shapes not simulated: their lower bound already costs more than the "
-            "best found (--json lists them)"
+            f"{_n(pruned)} more shapes not simulated: their lower bound already costs more than "
+            "the best found (--json lists them)"
         )
     if result.unfit:
         console.print(
-            f"left out {len(result.unfit)} shapes that do not fit in HBM, e.g. {result.unfit[0]}"
+            f"left out {_n(len(result.unfit))} shapes that do not fit in HBM, e.g. "
+            f"{result.unfit[0]}"
+        )
+    refused = {k: v for k, v in payload.get("rejected_by_reason", {}).items() if v}
+    if refused:
+        console.print(
+            "refused on arrival, not planned for: "
+            + ", ".join(f"{_n(count)} ({reason})" for reason, count in refused.items())
         )
     if result.mode == "aggregated":
         c = result.colocated
-        fleet = f"{c.units} x {c.shape.nodes}-node aggregated units"
+        fleet = f"{_n(c.units)} x {_n(c.shape.nodes)}-node aggregated units"
     else:
         p, d = result.prefill, result.decode
         fleet = (
-            f"{p.units} x {p.shape.nodes}-node prefill + {d.units} x {d.shape.nodes}-node decode"
+            f"{_n(p.units)} x {_n(p.shape.nodes)}-node prefill + {_n(d.units)} x "
+            f"{_n(d.shape.nodes)}-node decode"
         )
     other = (
-        f"; the best aggregated fleet costs ${result.colocated.cost_usd:,.2f}"
+        f"; the best aggregated fleet costs ${_n(result.colocated.cost_usd)}"
         if result.mode == "disaggregated" and result.colocated is not None
         else (
-            f"; the best disaggregated fleet costs ${result.disaggregated_cost_usd:,.2f}"
+            f"; the best disaggregated fleet costs ${_n(result.disaggregated_cost_usd)}"
             if result.mode == "aggregated" and np.isfinite(result.disaggregated_cost_usd)
             else ""
         )
     )
     if served is not None:
         console.print(_model_line(served))
-    console.print(f"cheapest: {fleet} = {result.nodes} nodes, ${result.cost_usd:,.2f}{other}")
+    console.print(f"cheapest: {fleet} = {_n(result.nodes)} nodes, ${_n(result.cost_usd)}{other}")
     if bound_figures:
         (n_lo, n_hi), (c_lo, c_hi) = payload["ranges"]["nodes"], payload["ranges"]["cost_usd"]
         console.print(
@@ -806,7 +862,7 @@ def _print_plan(result, source: str, payload: dict, bound_figures: list, served=
             + (
                 "at the slow bound no candidate meets the SLOs"
                 if n_lo is None
-                else f"{n_lo:,.0f} - {n_hi:,.0f} nodes, ${c_lo:,.2f} - ${c_hi:,.2f}"
+                else f"{_n(n_lo)} - {_n(n_hi)} nodes, ${_n(c_lo)} - ${_n(c_hi)}"
             )
         )
 
@@ -826,7 +882,7 @@ def frontier_cmd(
         help="Multi-token prediction accepting this share of drafts (DeepSeek-V3: 0.85-0.9); "
         "0: off.",
     ),
-    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the frontier as JSON."),
@@ -847,7 +903,7 @@ def frontier_cmd(
         raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
     if out is not None:
         output_folder(out, "--out")
-    cal = _calibration(calibration)
+    cal = _calibration(_calibration_name(calibration, hardware))
     served = _served_model(model, kv_cache_dtype, cal)
     if cal is None:
         hw, spec, eff, kv_cap = hardware_spec(hardware), DEEPSEEK_V3, DEFAULT_EFFICIENCY, None
@@ -886,23 +942,26 @@ def frontier_cmd(
             front,
             out / "frontier.png",
             DEEPSEEK_DECODE_POINT if hw.name == "h800" and cal is None else None,
-            f"decode frontier on {hw.name}, mean KV {kv:,.0f}"
-            + (f", MTP {mtp:g}" if mtp else "")
+            f"decode frontier on {hw.name}, mean KV {_n(kv)}"
+            + (f", MTP {_n(mtp)}" if mtp else "")
             + f" (calibration {'none' if cal is None else cal.name})",
         )
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    table = Table(title=f"decode frontier on {hw.name} at mean KV {kv:,.0f} tokens")
+    table = Table(
+        title=f"decode frontier on {hw.name} at mean KV {_n(kv)} tokens (calibration "
+        f"{'none' if cal is None else cal.name})"
+    )
     for col in ("nodes", "micro-batches", "requests/GPU", "tokens/s per user", "tokens/s per GPU"):
         table.add_column(col, justify="right")
     for p in front.pareto[:: max(1, len(front.pareto) // 12)]:
         table.add_row(
-            str(p.nodes),
-            str(p.micro_batches),
-            f"{p.batch_per_gpu:.1f}",
-            f"{p.tokens_per_s_per_user:.1f}",
-            f"{p.tokens_per_s_per_gpu:,.0f}",
+            _n(p.nodes),
+            _n(p.micro_batches),
+            _n(p.batch_per_gpu),
+            _n(p.tokens_per_s_per_user),
+            _n(p.tokens_per_s_per_gpu),
         )
     console = Console()
     console.print(table)
@@ -912,9 +971,10 @@ def frontier_cmd(
         console.print(f"left out: {reason}")
     if best is not None:
         console.print(
-            f"at {speed:g} tokens/s per user: {best.nodes}-node units, {best.batch_per_gpu:.0f} "
-            f"requests/GPU, {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (DeepSeek published "
-            f"{DEEPSEEK_DECODE_POINT['tokens_per_s_per_gpu']:,.0f} on 18-node H800 units)"
+            f"at {_n(speed)} tokens/s per user: {_n(best.nodes)}-node units, "
+            f"{_n(best.batch_per_gpu)} requests/GPU, {_n(best.tokens_per_s_per_gpu)} tokens/s per "
+            f"GPU (DeepSeek published {_n(DEEPSEEK_DECODE_POINT['tokens_per_s_per_gpu'])} on "
+            "18-node H800 units)"
         )
 
 
@@ -940,7 +1000,7 @@ def model_cmd(
         "--micro-batches",
         help="2: dual micro-batch overlap (DeepSeek's, the default); 1: no overlap.",
     ),
-    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
@@ -963,6 +1023,7 @@ def model_cmd(
         raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
     if micro_batches not in (None, 1, 2):
         raise InputError(f"--micro-batches={micro_batches} must be 1 or 2")
+    calibration = _calibration_name(calibration, hardware, kernels)
     tables = _kernel_tables(kernels, calibration, hardware)
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
@@ -1029,8 +1090,8 @@ def model_cmd(
         typer.echo(json.dumps(payload, indent=2))
         return
     table = Table(
-        title=f"{phase} step on {dep.nodes} x {hardware}: {b.step_s * 1e3:.2f} ms, "
-        f"{payload['tokens_per_s_per_node']:,.0f} tokens/s per node"
+        title=f"{phase} step on {_n(dep.nodes)} x {hardware}: {_n(b.step_s * 1e3)} ms, "
+        f"{_n(payload['tokens_per_s_per_node'])} tokens/s per node"
     )
     m = perf.model
     dense_i, moe_i = 0, m.num_dense_layers
@@ -1044,12 +1105,12 @@ def model_cmd(
         columns.append(moe_i)
     series = dict(b.parts) | {"compute path": b.compute, "comm path": b.comm, "layer": b.layer}
     for name, values in series.items():
-        table.add_row(name, *(f"{values[i] * 1e3:.3f}" for i in columns))
+        table.add_row(name, *(_n(values[i] * 1e3) for i in columns))
     console = Console()
     console.print(table)
     console.print(
-        f"head {b.head_s * 1e3:.3f} ms; host and launch overhead {b.overhead_s * 1e3:.1f} ms; "
-        f"expert imbalance {perf.balance.imbalance:.3f}; calibration "
+        f"head {_n(b.head_s * 1e3)} ms; host and launch overhead {_n(b.overhead_s * 1e3)} ms; "
+        f"expert imbalance {_n(perf.balance.imbalance)}; calibration "
         f"{'none' if cal is None else cal.name}; kernels {kernels}"
     )
     console.print(f"memory per GPU: {memory.describe()}")
@@ -1083,7 +1144,7 @@ def position_cost_cmd(
     decode_batch: float = typer.Option(
         128.0, "--decode-batch", help="Decode requests per GPU the step is shared by."
     ),
-    calibration: str = typer.Option("none", "--calibration", help=CALIBRATION_HELP),
+    calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Cost per million tokens by token position, DeepSeek-V3.1-Terminus (dense MLA) against
@@ -1101,7 +1162,7 @@ def position_cost_cmd(
         raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
     check_positive(decode_batch, "--decode-batch")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
-    cal = _calibration(calibration)
+    cal = _calibration(_calibration_name(calibration, hardware))
     if cal is None:
         hw, eff = priced_hardware(hardware, gpu_hour_usd), None
     else:

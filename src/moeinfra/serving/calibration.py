@@ -309,6 +309,18 @@ class Calibration:
 #: names its source).
 BUILTIN = ("deepseek-h800", "sglang-h100", "rtp-llm-h800")
 
+#: The calibration ``moeinfra serve`` uses on a hardware preset unless told otherwise
+#: (``--calibration none``: the first-principles model): ``rtp-llm-h800``, fitted on an independent
+#: measurement of DeepSeek's decode unit (RTP-LLM's EP144 curve on H800), never on DeepSeek's day,
+#: which it reproduces best (docs/serving-model.md, "Shipped calibrations").
+DEFAULT_CALIBRATION = {"h800": "rtp-llm-h800"}
+
+
+def default_calibration(hardware_name: str) -> str:
+    """The calibration name ``moeinfra serve`` uses on ``hardware_name`` by default
+    (:data:`DEFAULT_CALIBRATION`), ``"none"`` where none is shipped for it."""
+    return DEFAULT_CALIBRATION.get(hardware_name, "none")
+
 
 #: Quantiles a calibration keeps of its step-time spread (percentiles: the slowest step measured
 #: stands for the slowest 1% drawn, not 5% as with 21 quantiles, where one outlier among ~100

@@ -63,11 +63,13 @@ def advance_batch(
     first and status ``completed``, and leaves the running set, which is compacted in place
     (the others run on from ``t1``).
 
-    Returns ``(running, produced, kv_weighted, unit_produced, unit_started)``: how many still
-    run (the first entries of the ``a_*`` arrays), the tokens produced, their sum of KV length
-    (at each token's midpoint), and per unit the tokens produced and the requests that produced
-    at least one."""
+    Returns ``(running, produced, whole, kv_weighted, unit_produced, unit_started)``: how many
+    still run (the first entries of the ``a_*`` arrays), the tokens produced, the whole tokens
+    completed (each request's tokens done rounded down, before and after: summed over ticks, a
+    request's whole tokens exactly), their sum of KV length (at each token's midpoint), and per
+    unit the tokens produced and the requests that produced at least one."""
     produced_sum = kv_weighted = 0.0
+    whole = 0
     unit_produced, unit_started = np.zeros(units), np.zeros(units)
     k = 0
     for i in range(a_idx.size):
@@ -79,16 +81,20 @@ def advance_batch(
         if produced > 0:
             unit_started[u] += 1.0
         kv_weighted += produced * (inputs[r] + a_done[i] + produced / 2)
+        before = int(np.floor(a_done[i]))
         if gain >= remaining[i]:
+            whole += outputs[r] - before
             left = remaining[i]  # 0 for a request whose only token came from prefill
             finish_t[r] = a_from[i] + held[i] + left / per_step * (step[u] if left > 0 else 0.0)
             status[r] = completed
             if outputs[r] > 1:
                 tpot[r] = (finish_t[r] - first_token[r]) / (outputs[r] - 1)
         else:
-            a_idx[k], a_unit[k], a_done[k], a_from[k] = r, u, a_done[i] + produced, t1
+            done = a_done[i] + produced
+            whole += int(np.floor(done)) - before
+            a_idx[k], a_unit[k], a_done[k], a_from[k] = r, u, done, t1
             k += 1
-    return k, produced_sum, kv_weighted, unit_produced, unit_started
+    return k, produced_sum, whole, kv_weighted, unit_produced, unit_started
 
 
 @njit(cache=True)

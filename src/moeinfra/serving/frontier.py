@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeinfra.errors import InputError
+from moeinfra.numfmt import format_number
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, Efficiency, PerfModel
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
@@ -128,7 +129,7 @@ def decode_frontier(
             most = perf.kv_capacity_tokens_per_gpu / mean_kv
             if most < 1.0:
                 unfit.append(
-                    f"{n}-node decode unit: its KV cache holds {most:.2f} requests per GPU"
+                    f"{n}-node decode unit: its KV cache holds {format_number(most)} requests per GPU"
                 )
                 continue
             batch = np.geomspace(1.0, most, batches)

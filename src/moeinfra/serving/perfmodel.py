@@ -282,12 +282,15 @@ class MemoryUse:
         return self.weights + self.activations + self.kv_one_request <= self.usable
 
     def describe(self) -> str:
+        """The budget in words, every number by :func:`moeinfra.numfmt.format_number`."""
+        from moeinfra.numfmt import format_number as n
+
         gb = 1e9
         return (
-            f"weights {self.weights / gb:.1f} GB + activations {self.activations / gb:.1f} GB + "
-            f"one {MAX_CONTEXT_TOKENS:,}-token request's KV {self.kv_one_request / gb:.1f} GB "
-            f"{'<=' if self.fits else '>'} {self.usable / gb:.1f} GB usable of "
-            f"{self.hbm / gb:.0f} GB HBM per GPU"
+            f"weights {n(self.weights / gb)} GB + activations {n(self.activations / gb)} GB + "
+            f"one {n(MAX_CONTEXT_TOKENS)}-token request's KV {n(self.kv_one_request / gb)} GB "
+            f"{'<=' if self.fits else '>'} {n(self.usable / gb)} GB usable of "
+            f"{n(self.hbm / gb)} GB HBM per GPU"
         )
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from moeinfra.errors import InputError
+from moeinfra.numfmt import format_number
 from moeinfra.serving.calibration import Calibration
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
@@ -79,13 +80,14 @@ class Shape:
         )
 
     def describe(self) -> str:
-        extras = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}"]
+        n = format_number
+        extras = [f"{n(self.micro_batches)} micro-batch{'es' if self.micro_batches > 1 else ''}"]
         if self.mtp_acceptance:
-            extras.append(f"MTP {self.mtp_acceptance:g}")
+            extras.append(f"MTP {n(self.mtp_acceptance)}")
         if self.max_batch_per_gpu is not None:
-            extras.append(f"at most {self.max_batch_per_gpu:g} requests per GPU")
+            extras.append(f"at most {n(self.max_batch_per_gpu)} requests per GPU")
         return (
-            f"{self.nodes}-node {self.phase} unit, {self.redundant_experts} redundant experts, "
+            f"{n(self.nodes)}-node {self.phase} unit, {n(self.redundant_experts)} redundant experts, "
             + ", ".join(extras)
         )
 

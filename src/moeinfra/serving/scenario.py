@@ -15,6 +15,7 @@ from moeinfra.errors import InputError
 from moeinfra.serving.calibration import Calibration
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.perfmodel import DEFAULT_EFFICIENCY, PerfModel
+from moeinfra.serving.prefill_ticks import PrefillShare
 from moeinfra.serving.schedule import (
     DEFAULT_TARGET,
     FleetSchedule,
@@ -52,10 +53,20 @@ class Scenario:
     decode: PerfModel
 
     def run(
-        self, config: SimConfig | None = None, progress: Callable[[float], None] | None = None
+        self,
+        config: SimConfig | None = None,
+        progress: Callable[[float], None] | None = None,
+        prefill_share: PrefillShare | None = None,
     ) -> SimulationResult:
+        """:func:`simulate` this scenario (``prefill_share``: as there)."""
         return simulate(
-            self.workload, self.schedule, self.prefill, self.decode, config, progress=progress
+            self.workload,
+            self.schedule,
+            self.prefill,
+            self.decode,
+            config,
+            progress=progress,
+            prefill_share=prefill_share,
         )
 
 

@@ -24,9 +24,10 @@ from moeinfra.serving.balancers import fill_least_loaded
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.decode_batch import admit_ready, advance_batch, batch_load
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.prefill_ticks import PrefillShare, PrefillTicks
 from moeinfra.serving.schedule import FleetSchedule
 from moeinfra.serving.unit_cost import BALANCERS, prefill_cost
-from moeinfra.serving.workload import Workload
+from moeinfra.serving.workload import REFUSED_REASONS, Workload, real_count, real_parts
 
 COMPLETED, RUNNING, REJECTED = 0, 1, 2
 REJECT_REASONS = ("prefill queue over max wait", "decode KV cache full past max wait")
@@ -74,7 +75,11 @@ class SimulationResult:
     and ``itl_tokens`` ``[b]``, the tokens generated at each inter-token latency (the step time of
     their unit when they were generated). Per record interval (``[k]`` rows, ``[k, units]`` per unit):
     ``decode_batch_per_gpu``, ``decode_kv_usage``, ``decode_step_s``, ``prefill_utilisation``.
-    ``hourly``: one dict per hour. ``totals``: the day's figures.
+    ``hourly``: one dict per hour. ``totals``: the day's figures. ``refused``: sampled requests
+    refused on arrival, never served, by reason (:data:`~moeinfra.serving.workload.REFUSED_REASONS`:
+    a replayed trace's requests longer than the model's context). Counts of requests and tokens
+    are integers: sampled sums times ``scale``, rounded once
+    (:func:`~moeinfra.serving.workload.real_parts`).
     """
 
     scale: float
@@ -95,17 +100,31 @@ class SimulationResult:
     hourly: list[dict]
     totals: dict
     model: dict = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
 
-    def requests(self) -> dict[str, float]:
-        """Real-scale request counts; ``arrived == completed + running + rejected`` always."""
+    def _request_parts(self) -> tuple[list[str], list[int]]:
+        """Real-scale requests by outcome (completed, running, then each rejection reason),
+        adding up to the real arrivals exactly."""
         completed, running = (int(np.count_nonzero(self.status == k)) for k in (COMPLETED, RUNNING))
-        rejected = self.status.size - completed - running
+        reasons = np.bincount(self.reason[self.reason >= 0], minlength=len(REJECT_REASONS))
+        names = ["completed", "running", *REJECT_REASONS, *REFUSED_REASONS]
+        sampled = [completed, running, *(int(c) for c in reasons)]
+        sampled += [int(self.refused.get(r, 0)) for r in REFUSED_REASONS]
+        return names, real_parts(sampled, self.scale)
+
+    def requests(self) -> dict[str, int]:
+        """Real-scale request counts (integers); ``arrived == completed + running + rejected``
+        always, the rejected including those refused on arrival (``rejected_by_reason`` in
+        :meth:`to_dict`)."""
+        names, real = self._request_parts()
+        parts = dict(zip(names, real, strict=True))
+        sampled = int(self.status.size) + sum(int(v) for v in self.refused.values())
         return {
-            "arrived": float(self.status.size * self.scale),
-            "completed": float(completed * self.scale),
-            "running": float(running * self.scale),
-            "rejected": float(rejected * self.scale),
-            "sampled": int(self.status.size),
+            "arrived": real_count(sampled, self.scale),
+            "completed": parts["completed"],
+            "running": parts["running"],
+            "rejected": sum(real[2:]),
+            "sampled": sampled,
         }
 
     def itl_percentiles(self, quantiles=(50, 90, 95, 99)) -> dict[str, float]:
@@ -123,10 +142,8 @@ class SimulationResult:
         """JSON-ready summary (the fields ``moeinfra serve simulate --json`` prints)."""
         out = dict(self.totals)
         out["requests"] = self.requests()
-        reasons = np.bincount(self.reason[self.reason >= 0], minlength=len(REJECT_REASONS))
-        out["rejected_by_reason"] = {
-            r: float(c * self.scale) for r, c in zip(REJECT_REASONS, reasons, strict=True)
-        }
+        names, real = self._request_parts()
+        out["rejected_by_reason"] = dict(zip(names[2:], real[2:], strict=True))
         done = self.status == COMPLETED
         out["ttft_s"] = _percentiles(self.ttft_s[np.isfinite(self.ttft_s)])
         out["tpot_s"] = _percentiles(self.tpot_s[done & np.isfinite(self.tpot_s)])
@@ -174,6 +191,24 @@ def prefill_after(spans: np.ndarray, unit: np.ndarray, since: np.ndarray) -> np.
     return out
 
 
+def hourly_prompts(
+    first_s: np.ndarray, end_s: float, inputs: np.ndarray, cached: np.ndarray, hours: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[hours]`` int64 sampled prompts with a first token before ``end_s`` by the hour of it
+    (the last hour takes any later), and their input and cache-hit tokens; a chunk of requests at
+    a time (no day-long temporaries)."""
+    count, tokens, hits = (np.zeros(hours, dtype=np.int64) for _ in range(3))
+    for lo in range(0, first_s.size, 1 << 18):
+        first = first_s[lo : lo + (1 << 18)]
+        served = first < end_s
+        h = np.minimum(first[served] // 3600, hours - 1).astype(np.int64)
+        count += np.bincount(h, minlength=hours)
+        # float sums of int32 lengths are exact (< 2**53)
+        tokens += np.bincount(h, inputs[lo : lo + first.size][served], hours).astype(np.int64)
+        hits += np.bincount(h, cached[lo : lo + first.size][served], hours).astype(np.int64)
+    return count, tokens, hits
+
+
 def fullest_rank_requests(requests, ranks: int):
     """Requests on the fullest of ``ranks`` ranks sharing ``requests`` as evenly as whole
     requests allow: ``ceil(requests / ranks)`` at whole counts, linear in between (``requests`` is
@@ -192,10 +227,15 @@ def simulate(
     config: SimConfig | None = None,
     *,
     progress: Callable[[float], None] | None = None,
+    prefill_share: PrefillShare | None = None,
 ) -> SimulationResult:
     """Run ``workload`` on the fleet ``schedule`` of ``prefill``/``decode`` units.
 
-    ``progress(t_s)`` is called every simulated minute. Returns a :class:`SimulationResult`.
+    ``progress(t_s)`` is called every simulated minute. ``prefill_share``: the same object given
+    to several runs that differ only in decode (a calibration's range runs): the first keeps its
+    prefill ticks, the later ones with the same prefill side read them back instead of running
+    the prefill queue again (:class:`~moeinfra.serving.prefill_ticks.PrefillShare`; the figures
+    are those of a run of their own). Returns a :class:`SimulationResult`.
     """
     cfg = config or SimConfig()
     if prefill.dep.phase != "prefill" or decode.dep.phase != "decode":
@@ -226,7 +266,6 @@ def simulate(
 
     # ---- state ----
     p_max, d_max = schedule.max_units
-    queue = pc.queue(workload, p_max, cfg.max_prefill_wait_s, seed=cfg.seed)
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
     limit = decode.dep.max_batch_per_gpu
     batch_cap_unit = np.inf if limit is None else limit * decode.gpus
@@ -254,6 +293,28 @@ def simulate(
 
     ticks = int(np.ceil(duration / cfg.tick_s))
     last_tick = ticks + int(np.ceil(cfg.drain_s / cfg.tick_s)) - 1
+    # the host factors describe units sharing a host's cores; a colocated unit's own prefills
+    # stop its decoding outright (below), so they do not apply on top
+    interrupt_s = 0.0 if colocated else decode.eff.decode_interrupt_s
+    prefill_contention = 0.0 if colocated else prefill.eff.prefill_contention
+    decode_contention = 0.0 if colocated else decode.eff.decode_contention
+    # nothing decode does reaches the prefill side unless units share hosts or are the same units
+    decoupled = not colocated and not prefill_contention
+    key = PrefillShare.key(
+        schedule, cfg.tick_s, ticks, duration, (cfg.max_prefill_wait_s, cfg.seed, last_tick)
+    )
+    share = prefill_share if decoupled else None
+    if share is not None and share.matches(workload, pc, key, edges=bool(interrupt_s)):
+        side = share.ticks
+        share.reused += 1
+    else:
+        side = PrefillTicks(
+            pc.queue(workload, p_max, cfg.max_prefill_wait_s, seed=cfg.seed),
+            arrival, schedule, cfg.tick_s, ticks, duration, last_tick,
+            keep=share is not None, keep_edges=bool(interrupt_s),
+        )  # fmt: skip
+        if share is not None:
+            share.keep(side, workload, pc, key)
     rec_every = max(1, int(round(cfg.record_every_s / cfg.tick_s)))
     n_rec = -(-(last_tick + 1) // rec_every)
     rec_batch = np.zeros((n_rec, d_max))
@@ -261,48 +322,43 @@ def simulate(
     rec_step = np.full((n_rec, d_max), np.nan)
     rec_putil = np.zeros((n_rec, p_max))
     hours = int(np.ceil(duration / 3600.0))
-    out_hour = np.zeros(hours)
-    # sampled prompts, their input and cache-hit tokens by the hour of their first token
-    first_hour, in_hour, hit_hour = np.zeros(hours), np.zeros(hours), np.zeros(hours)
-    kv_weighted = 0.0
+    # sampled whole tokens decoded by the hour (integers: totals are exact)
+    out_hour = np.zeros(hours, dtype=np.int64)
+    kv_weighted = decoded = 0.0
     itl_edges = np.geomspace(1e-4, 100.0, 1201)  # 0.1 ms .. 100 s, 1.16% per bin
     itl_tokens = np.zeros(itl_edges.size - 1)
     prev_d_units = None
     last_step = np.full(d_max, 0.02)
-    # the host factors describe units sharing a host's cores; a colocated unit's own prefills
-    # stop its decoding outright (below), so they do not apply on top
-    interrupt_s = 0.0 if colocated else decode.eff.decode_interrupt_s
-    prefill_contention = 0.0 if colocated else prefill.eff.prefill_contention
-    decode_contention = 0.0 if colocated else decode.eff.decode_contention
     prefill_edges = np.zeros(0)  # starts and ends of prefills, not yet reached
     behind = np.zeros(d_max)  # seconds each decode unit owes to prefill edges (shared host)
-    lo = 0
     work_done_rec = np.zeros(p_max)
     end = duration
+    queued = 0  # requests in the prefill queue after the last tick
     for tick in range(last_tick + 1):
-        if tick >= ticks and not (a_idx.size or pend.size or queue.pending):
+        if tick >= ticks and not (a_idx.size or pend.size or queued):
             break
         t0 = tick * cfg.tick_s
         t1 = min(t0 + cfg.tick_s, duration) if tick < ticks else t0 + cfg.tick_s
         end = max(end, t1)
         p_units, d_units = (int(x) for x in schedule.at(t0))
         # ---- arrivals -> prefill ----
-        hi = int(np.searchsorted(arrival, t1, side="left"))
         slowdown = 1.0
         if prefill_contention and a_idx.size:
             # units sharing the host's cores: the decode units computing slow the prefill
             busy_decode = np.unique(a_unit).size / max(d_units, 1)
             slowdown += prefill_contention * busy_decode
         if colocated:  # units still prefilling at t0, and until when
-            carried = np.flatnonzero(queue.busy > t0)
-            carried_end = queue.busy[carried]
-        idx, unit, fin, refused, spans = queue.admit(lo, hi, p_units, slowdown, until=t1)
+            carried = np.flatnonzero(side.queue.busy > t0)
+            carried_end = side.queue.busy[carried]
+        done = side.at(tick, slowdown)
+        idx, fin, refused = done.idx, done.first_s, done.refused
+        queued = done.pending
         if colocated:
             # when each unit prefills in this tick: the step carried in from t0, then the steps
             # started in it, clipped to the tick
-            home[idx] = unit
+            home[idx] = done.unit
             busy_spans = np.concatenate(
-                [np.stack([carried, np.full(carried.size, t0), carried_end], axis=1), spans]
+                [np.stack([carried, np.full(carried.size, t0), carried_end], axis=1), done.spans]
             )
             busy_spans[:, 1:] = np.clip(busy_spans[:, 1:], t0, t1)
             busy_spans = busy_spans[busy_spans[:, 2] > busy_spans[:, 1]]
@@ -311,16 +367,11 @@ def simulate(
             )
         status[refused] = REJECTED
         reason[refused] = 0
-        work_done_rec += np.bincount(spans[:, 0].astype(np.int64), spans[:, 2] - spans[:, 1], p_max)
+        work_done_rec += done.work
         first_token[idx] = fin
-        h = np.minimum(fin // 3600, hours - 1).astype(np.int64)
-        first_hour += np.bincount(h, minlength=hours)
-        in_hour += np.bincount(h, inputs[idx], hours)
-        hit_hour += np.bincount(h, workload.cached_tokens[idx], hours)
         if interrupt_s:
-            prefill_edges = np.concatenate([prefill_edges, spans[:, 1], spans[:, 2]])
+            prefill_edges = np.concatenate([prefill_edges, done.edges])
         pend = np.concatenate([pend, idx])
-        lo = max(lo, hi)
         # ---- scale-down: move decode requests off units that stop ----
         if prev_d_units is not None and d_units < prev_d_units and a_idx.size:
             moved = a_unit >= d_units
@@ -367,8 +418,7 @@ def simulate(
             )
             if decode_contention:
                 # units sharing the host's cores: the prefill units' busy share of the tick
-                busy_prefill = np.clip((queue.busy[:p_units] - t0) / cfg.tick_s, 0.0, 1.0).mean()
-                step *= 1.0 + decode_contention * busy_prefill
+                step *= 1.0 + decode_contention * done.busy_share
             last_step = np.where(active, step, last_step)
             lost = np.zeros(d_max)
             if interrupt_s:
@@ -380,12 +430,13 @@ def simulate(
             if colocated:
                 # its unit's prefill time after the request joined (decoding waits through it)
                 held = held + prefill_after(busy_spans, a_unit, a_from)
-            running, produced, kv_produced, unit_produced, unit_started = advance_batch(
+            running, produced, whole, kv_produced, unit_produced, unit_started = advance_batch(
                 a_idx, a_unit, a_done, a_from, run_s, remaining, held, step, per_step, t1,
                 inputs, outputs, first_token, finish_t, tpot, status, COMPLETED, d_max,
             )  # fmt: skip
             a_idx, a_unit, a_done, a_from = (x[:running] for x in (a_idx, a_unit, a_done, a_from))
-            out_hour[min(int(t0 // 3600), hours - 1)] += produced * S
+            out_hour[min(int(t0 // 3600), hours - 1)] += whole
+            decoded += produced * S
             kv_weighted += kv_produced * S
             unit_tokens = unit_produced[active] * S
             # a step's first token comes a step after the last; an accepted draft comes with it
@@ -404,7 +455,7 @@ def simulate(
             rec_batch[r] += batch / rec_every
             rec_kv[r] += kv_tokens * S / kv_cap_unit / rec_every
             rec_step[r] = np.where(active, step, rec_step[r])
-        drained = tick + 1 >= ticks and not (a_idx.size or pend.size or queue.pending)
+        drained = tick + 1 >= ticks and not (a_idx.size or pend.size or queued)
         if (tick + 1) % rec_every == 0 or tick == last_tick or (drained and cfg.drain_s):
             span = (tick % rec_every + 1) * cfg.tick_s
             rec_putil[r] = np.minimum(work_done_rec / span, 1.0)
@@ -412,28 +463,27 @@ def simulate(
             if progress is not None:
                 progress(t1)
     seconds_per_token = pc.seconds_per_token
-    del queue, pc  # their per-request arrays
+    del side, pc  # their per-request arrays (a share keeps its own)
 
     # ---- accounting ----
-    done_tokens = np.isfinite(first_token).astype(np.float32)  # the first token, from prefill
+    # whole tokens per request: the first (from prefill), all when completed, those done when
+    # running; first tokens past the end (queued prefills when the simulation stops) do not count
+    done_tokens = (first_token < end).astype(np.int32)
     np.copyto(done_tokens, outputs, where=status == COMPLETED)
-    done_tokens[a_idx] = a_done
-    # first tokens past the end (queued prefills when the simulation stops) do not count
-    late = np.flatnonzero(first_token >= end)
-    h = np.minimum(first_token[late] // 3600, hours - 1).astype(np.int64)
-    first_hour -= np.bincount(h, minlength=hours)
-    in_hour -= np.bincount(h, inputs[late], hours)
-    hit_hour -= np.bincount(h, workload.cached_tokens[late], hours)
+    done_tokens[a_idx] = np.floor(a_done)
+    first_hour, in_hour, hit_hour = hourly_prompts(
+        first_token, end, inputs, workload.cached_tokens, hours
+    )
     n_rec = -(-int(np.ceil(end / cfg.tick_s)) // rec_every)
     rec_batch, rec_kv, rec_step, rec_putil = (
         x[:n_rec] for x in (rec_batch, rec_kv, rec_step, rec_putil)
     )
     ttft = first_token
     ttft -= arrival
-    in_hour *= S
-    hit_hour *= S
     # first tokens come from prefill: count them as output of the prefill hour
-    out_hour += first_hour * S
+    out_hour += first_hour
+    # real-scale integers, rounded once over the day (the hours add up to the total)
+    in_hour, hit_hour, out_hour = (real_parts(x.tolist(), S) for x in (in_hour, hit_hour, out_hour))
     p_sec_h = np.zeros(hours)
     d_sec_h = np.zeros(hours)
     hourly = []
@@ -461,7 +511,7 @@ def simulate(
     p_total, d_total = p_sec_h.sum(), d_sec_h.sum()
     cost = sum(h["cost_usd"] for h in hourly)
     revenue = sum(h["revenue_usd"] for h in hourly)
-    out_total = float(out_hour.sum())
+    in_total, hit_total, out_total = sum(in_hour), sum(hit_hour), sum(out_hour)
     speed = tpot[np.isfinite(tpot)]
     np.reciprocal(speed, out=speed)
     nodes_curve = schedule.nodes_at(np.arange(0.0, duration, 60.0))
@@ -472,21 +522,19 @@ def simulate(
         "avg_prefill_nodes": p_total / duration,
         "avg_decode_nodes": d_total / duration,
         "cost_usd": cost,
-        "input_tokens": float(in_hour.sum()),
-        "cache_hit_input_tokens": float(hit_hour.sum()),
-        "cache_hit_ratio": float(hit_hour.sum() / max(in_hour.sum(), 1.0)),
+        "input_tokens": in_total,
+        "cache_hit_input_tokens": hit_total,
+        "cache_hit_ratio": hit_total / max(in_total, 1),
         "output_tokens": out_total,
         "revenue_usd": revenue,
         "margin": margin(revenue, cost) if cost > 0 else float("nan"),
         # colocated: every node does both phases
         "prefill_tokens_per_s_per_node": float(
-            in_hour.sum() / max(d_total if colocated else p_total, 1e-9)
+            in_total / max(d_total if colocated else p_total, 1e-9)
         ),
         "decode_tokens_per_s_per_node": float(out_total / max(d_total, 1e-9)),
         "mean_output_tokens_per_s": float(speed.mean()) if speed.size else float("nan"),
-        "mean_kv_len_per_output_token": float(
-            kv_weighted / max(out_total - first_hour.sum() * S, 1.0)
-        ),
+        "mean_kv_len_per_output_token": float(kv_weighted / max(decoded, 1.0)),
         "sample_scale": S,
     }
     return SimulationResult(
@@ -507,6 +555,7 @@ def simulate(
         itl_tokens=itl_tokens,
         hourly=hourly,
         totals=totals,
+        refused=workload.refused,
         model={
             "name": decode.model.name,
             "kv_cache_dtype": decode.model.kv_cache_dtype,

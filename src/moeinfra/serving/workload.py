@@ -2,7 +2,10 @@
 trace replay (Mooncake-style JSONL, Azure-style CSV).
 
 A :class:`Workload` holds sampled requests; each stands for ``scale`` real requests (the sampling rule
-of the simulator, see docs/serving-model.md), so token and request totals are ``scale`` x the sums.
+of the simulator, see docs/serving-model.md), so token and request totals are ``scale`` x the sums,
+kept as integers (:func:`real_count`). Requests refused before they are served (a replayed trace's
+prompts longer than the model's context, as a live server answers them with a 400) arrive too:
+:attr:`Workload.refused_s`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import math
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -40,6 +43,28 @@ MAX_CONTEXT_TOKENS = 131_072
 TOKENS_MAX = np.iinfo(np.int32).max
 #: Longest line of a trace file: a request is one short line; longer means not a trace.
 MAX_LINE_BYTES = 1 << 20
+#: Why a request is refused before it is served (the keys of ``Workload.refused_s``).
+REFUSED_REASONS = ("context",)
+
+
+def real_count(sampled: int | float | np.integer, scale: float) -> int:
+    """Real requests or tokens that ``sampled`` ones stand for at ``scale``: an exact integer sum
+    times the scale, rounded once (exact when ``scale`` is whole)."""
+    if float(scale).is_integer():
+        return int(sampled) * int(scale)
+    return round(int(sampled) * scale)
+
+
+def real_parts(sampled: list[int], scale: float) -> list[int]:
+    """:func:`real_count` of several parts of one sampled total, rounded so that they add up to
+    the real total exactly (each part: the rounded running sum less the one before)."""
+    out, before, running = [], 0, 0
+    for part in sampled:
+        running += int(part)
+        now = real_count(running, scale)
+        out.append(now - before)
+        before = now
+    return out
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,10 @@ class Workload:
         cached_tokens: ``[n]`` int32 prompt prefix found in the KV cache (``< input_tokens``).
         scale: real requests each sampled request stands for (1 for a replayed trace).
         duration_s: length of the window the workload covers.
+        refused_s: requests that arrived but are refused before they are served, by reason
+            (:data:`REFUSED_REASONS`): ``{reason: [m] float64 arrival seconds}``, sampled like
+            the others (each stands for ``scale``). A replayed trace's prompts that, with their
+            answer, exceed the model's context are ``"context"``.
     """
 
     arrival_s: np.ndarray
@@ -62,6 +91,7 @@ class Workload:
     scale: float = 1.0
     duration_s: float = 86_400.0
     name: str = "workload"
+    refused_s: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arrival_s", np.asarray(self.arrival_s, dtype=np.float64))
@@ -83,22 +113,41 @@ class Workload:
             raise InputError(
                 f"Workload scale={self.scale} and duration_s={self.duration_s} must be > 0"
             )
+        unknown = sorted(set(self.refused_s) - set(REFUSED_REASONS))
+        if unknown:
+            raise InputError(
+                f"Workload.refused_s reasons {unknown} are not among {list(REFUSED_REASONS)}"
+            )
+        refused = {r: np.asarray(t, dtype=np.float64) for r, t in self.refused_s.items()}
+        object.__setattr__(self, "refused_s", refused)
 
     @property
     def size(self) -> int:
+        """Requests to serve (sampled; the refused ones are in :attr:`refused`)."""
         return int(self.arrival_s.size)
 
-    def totals(self) -> dict[str, float]:
-        """Real-scale requests and tokens (``scale`` x sampled sums)."""
+    @property
+    def refused(self) -> dict[str, int]:
+        """Sampled requests refused before they are served, by reason (every reason listed)."""
+        return {
+            r: int(self.refused_s[r].size) if r in self.refused_s else 0 for r in REFUSED_REASONS
+        }
+
+    def totals(self) -> dict[str, float | int]:
+        """Real-scale requests and tokens to serve (integers: ``scale`` x the sampled sums,
+        rounded once), the requests refused before serving, and the mean KV length per output
+        token."""
         s = self.scale
+        outputs = int(self.output_tokens.sum(dtype=np.int64))
         out = self.output_tokens.astype(np.float64)
         kv = (self.input_tokens * out + out * (out - 1) / 2).sum()
         return {
-            "requests": self.size * s,
-            "input_tokens": float(self.input_tokens.sum()) * s,
-            "cached_tokens": float(self.cached_tokens.sum()) * s,
-            "output_tokens": float(out.sum()) * s,
-            "kv_len_per_output_token": float(kv / max(out.sum(), 1.0)),
+            "requests": real_count(self.size, s),
+            "refused_requests": real_count(sum(self.refused.values()), s),
+            "input_tokens": real_count(self.input_tokens.sum(dtype=np.int64), s),
+            "cached_tokens": real_count(self.cached_tokens.sum(dtype=np.int64), s),
+            "output_tokens": real_count(outputs, s),
+            "kv_len_per_output_token": float(kv / max(outputs, 1)),
         }
 
     def with_demand_scale(self, factor: float) -> Workload:
@@ -119,6 +168,7 @@ class Workload:
             self.scale,
             end_s - start_s,
             f"{self.name}[{start_s:g}:{end_s:g}]",
+            {r: t[(t >= start_s) & (t < end_s)] - start_s for r, t in self.refused_s.items()},
         )
 
 
@@ -340,15 +390,19 @@ def read_trace(
     * ``.csv``: header ``timestamp,input_tokens,output_tokens`` (or Azure's
       ``TIMESTAMP,ContextTokens,GeneratedTokens``); timestamps in seconds or ISO date-times.
 
-    Without ``hash_ids`` the cache-hit prefix follows the ``hit_ratio`` model. Bad lines raise
-    InputError naming the line number, or are skipped and counted with ``skip_bad``: lengths that
-    are not whole numbers >= 1, ``hash_ids`` that are not a list of ids, a prompt and answer longer
-    than ``max_context`` tokens (the model's context). The file is read line by line; a line longer
-    than :data:`MAX_LINE_BYTES` is an error (the file is not a trace).
+    Without ``hash_ids`` the cache-hit prefix follows the ``hit_ratio`` model. A request whose
+    prompt and answer exceed ``max_context`` tokens (the model's context) arrives and is refused,
+    as a live server answers it with a 400: it is kept in ``Workload.refused_s["context"]`` (its
+    arrival time), not served, and writes nothing to the prefix cache. Malformed lines raise
+    InputError naming the line number, or are skipped and counted with ``skip_bad``: not a JSON
+    request object (or CSV row), lengths that are not whole numbers >= 1, ``hash_ids`` that are not
+    a list of ids, a timestamp that is not a finite number. The file is read line by line; a line
+    longer than :data:`MAX_LINE_BYTES` is an error (the file is not a trace).
     """
     path = Path(path)
     # growing C arrays, 16 bytes a request (not a Python tuple each)
     times, ins, outs = array("d"), array("i"), array("i")
+    over_context = array("d")  # arrival times of the requests refused for the context
     bad = 0
     has_hashes = False
     blocks: dict[int, list] = {}  # row -> its prompt's hash_ids
@@ -359,16 +413,14 @@ def read_trace(
             raise InputError(f"{path}:{line_no}: {why}")
         bad += 1
 
-    def lengths_fit(line_no: int, n_in: int, n_out: int, names: tuple[str, str]) -> bool:
+    def lengths_fit(line_no: int, t: float, n_in: int, n_out: int, names: tuple[str, str]) -> bool:
+        """Whether the request is served: malformed lengths fail, one over the context is
+        refused (kept, with its arrival time)."""
         if n_in < 1 or n_out < 1:
             fail(line_no, f"{names[0]}={n_in} and {names[1]}={n_out} must be >= 1")
             return False
         if n_in + n_out > max_context:
-            fail(
-                line_no,
-                f"{names[0]} + {names[1]} = {n_in + n_out:,} tokens exceeds the model's context "
-                f"of {max_context:,}",
-            )
+            over_context.append(t)
             return False
         return True
 
@@ -393,7 +445,7 @@ def read_trace(
                 if not math.isfinite(t):
                     fail(line_no, f"timestamp={obj['timestamp']!r} must be a finite number")
                     continue
-                if not lengths_fit(line_no, n_in, n_out, ("input_length", "output_length")):
+                if not lengths_fit(line_no, t, n_in, n_out, ("input_length", "output_length")):
                     continue
                 if hashes is not None:
                     has_hashes = True
@@ -431,7 +483,7 @@ def read_trace(
                 if not math.isfinite(t):
                     fail(line_no, f"timestamp={row[cols['timestamp']]!r} must be a finite number")
                     continue
-                if not lengths_fit(line_no, n_in, n_out, ("input_tokens", "output_tokens")):
+                if not lengths_fit(line_no, t, n_in, n_out, ("input_tokens", "output_tokens")):
                     continue
                 times.append(t)
                 ins.append(n_in)
@@ -439,7 +491,12 @@ def read_trace(
     else:
         raise InputError(f"trace {str(path)!r} must end in .jsonl or .csv")
     if not times:
-        raise InputError(f"trace {str(path)!r} holds no valid request")
+        why = (
+            f" ({len(over_context):,} exceed the model's context of {max_context:,} tokens)"
+            if over_context
+            else ""
+        )
+        raise InputError(f"trace {str(path)!r} holds no request to serve{why}")
     order = np.argsort(np.frombuffer(times, dtype=np.float64), kind="stable")
     arrival = np.frombuffer(times, dtype=np.float64)[order]
     inputs = np.frombuffer(ins, dtype=np.int32)[order]
@@ -451,11 +508,14 @@ def read_trace(
             if row in blocks:
                 n_in, n_out = int(inputs[i]), int(outputs[i])
                 cached[i] = min(cache.serve(blocks[row], n_in, n_out), n_in - 1)
-    arrival -= arrival[0]
+    refused = np.sort(np.frombuffer(over_context, dtype=np.float64))
+    start = min(arrival[0], refused[0]) if refused.size else arrival[0]
+    arrival -= start
+    refused -= start
     if not has_hashes and hit_ratio > 0:
         cached = cached_prefix(inputs, hit_ratio, np.random.default_rng(seed))
-    duration = float(arrival[-1]) + 1.0
+    duration = float(max(arrival[-1], refused[-1] if refused.size else 0.0)) + 1.0
     return (
-        Workload(arrival, inputs, outputs, cached, 1.0, duration, path.stem),
+        Workload(arrival, inputs, outputs, cached, 1.0, duration, path.stem, {"context": refused}),
         bad,
     )
