@@ -173,9 +173,11 @@ def test_accepted_drafts_advance_several_tokens_a_step(
     outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     stats = llm._core.spec_stats
-    # the first two drafts are right, the third wrong: 2 accepted per round, none at position 3
-    assert stats.per_position[0] == stats.per_position[1] == stats.num_accepted_tokens // 2 > 0
+    # the first two drafts are right, the third wrong: none accepted at position 3; near
+    # max_tokens fewer drafts are made (only what the request may still emit)
+    assert stats.per_position[0] >= stats.per_position[1] > stats.num_drafts // 2
     assert stats.per_position[2] == 0
+    assert stats.num_accepted_tokens == stats.per_position.sum()
     assert all(o.num_accepted_tokens > 0 for o in outputs)
     decode_steps = [s for s in llm._core.stats if s.decode_tokens and not s.prefill_tokens]
     assert len(decode_steps) < MAX_TOKENS  # fewer steps than tokens

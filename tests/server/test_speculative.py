@@ -62,16 +62,22 @@ def test_drafting_units_answer_as_the_engine_without_drafts_and_reuse_disk_block
             return metric(server.url, f"moeinfra:spec_decode_num_{name}_total")
 
         # every token after a request's first comes out of a verification round on the decode
-        # unit (1 + its accepted drafts), its first round checking the prefill unit's drafts
+        # unit (1 + its accepted drafts), its first round checking the prefill unit's drafts, but
+        # at most one plain step per request at its end (no draft fits under max_tokens)
         emitted = len(got) * (MAX_TOKENS - 1)
-        wait_until(lambda: spec("drafts") + spec("accepted_tokens") == emitted, timeout_s=5)
+
+        def rounds_cover_the_tokens() -> bool:
+            made = spec("drafts") + spec("accepted_tokens")
+            return emitted - len(got) <= made <= emitted and spec("drafts") > 0
+
+        wait_until(rounds_cover_the_tokens, timeout_s=5)
         rounds, drafted = spec("drafts"), spec("draft_tokens")
         text = httpx.get(f"{server.url}/metrics").text
     finally:
         assert server.stop() == 0, "".join(server.log)
     assert {u["speculative_tokens"] for u in health["units"].values()} == {K}
     assert got == expected
-    assert drafted == K * rounds > 0
+    assert K * rounds >= drafted > (K - 1) * rounds
     for pos in range(K):
         assert f'moeinfra:spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}}' in text
     assert "moeinfra:spec_decode_num_accepted_tokens_total" in text

@@ -394,8 +394,10 @@ class EngineCore:
         out: list[list[int]] = [[] for _ in sampling]
         if plain:
             seqs = [sampling[i][0].seq for i in plain]
+            # no request verifies drafts: every row is sampled (no copy of a [rows, vocab] tensor)
+            rows_of_plain = logits if len(plain) == len(rows) else logits[[where[i] for i in plain]]
             tokens = sample(
-                logits[[where[i] for i in plain]],
+                rows_of_plain,
                 [s.params for s in seqs],
                 [s.generator for s in seqs],
                 [len(s.output_ids) for s in seqs],
@@ -420,12 +422,14 @@ class EngineCore:
         for c, first in zip(scheduled, starts, strict=False):
             seq = c.seq
             count = min(c.start + c.length, seq.num_computed) - c.start
-            if seq.finished or count <= 0:
+            if count <= 0:
                 continue
+            # a request that just finished still gets its MTP rows: its full blocks are in the
+            # prefix cache already, and no block is handed out again before this pass
             rows.extend(range(first, first + count))
             next_ids.extend(seq.token_ids[c.start + 1 : c.start + count + 1])
             segments.append(Segment(seq.seq_id, c.start, count))
-            if seq.seq_id in sampled:
+            if seq.seq_id in sampled and not seq.finished:
                 drafting.append((seq, len(rows) - 1))
         mtp_layer = self.cache.layout.num_layers - 1
         ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
@@ -449,6 +453,16 @@ class EngineCore:
             tokens = self.mtp.logits(last).argmax(dim=-1)
             for seq, token in zip(seqs, tokens.tolist(), strict=True):
                 seq.drafts.append(token)
+        for seq, _ in drafting:
+            del seq.drafts[self._draft_room(seq) :]
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts worth verifying: the next step emits them and one more token, within
+        ``max_tokens`` and the model's context."""
+        room = self.model_config.max_position_embeddings - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+        return max(0, room)
 
     def _slots(self, seq: Sequence) -> torch.Tensor:
         """``[capacity]`` cache slot of every position of ``seq`` (rebuilt when its table grows)."""

@@ -75,6 +75,9 @@ class Scheduler:
             drafts = tuple(seq.drafts[: budget - 1]) if needed == 1 else ()
             length = min(needed + len(drafts), budget)
             while not self.blocks.ensure_slots(seq.seq_id, seq.num_computed + length):
+                if drafts:  # drop the drafts before preempting anyone for them
+                    drafts, length = (), min(needed, budget)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -97,6 +100,8 @@ class Scheduler:
             # a request handed off with its first drafts verifies them in its first step here
             drafts = tuple(seq.drafts[: budget - 1]) if needed == 1 else ()
             length = min(needed + len(drafts), budget)
+            if drafts and not self.blocks.ensure_slots(seq.seq_id, start + length):
+                drafts, length = (), min(needed, budget)
             if not self.blocks.ensure_slots(seq.seq_id, start + length):
                 self.blocks.free(seq.seq_id)
                 break
