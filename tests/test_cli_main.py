@@ -94,7 +94,10 @@ def test_usage_errors_are_one_line_exit_2_without_the_usage_box(tmp_path):
             ("pipeline", "simulate", "-s", "1f1b", "-r", "x"),
             "error: --ranks=x: 'x' is not a valid int",
         ),
-        (("no-such-command",), "error: no such command 'no-such-command' (commands: demo, train, engine"),
+        (
+            ("no-such-command",),
+            "error: no such command 'no-such-command' (commands: demo, train, engine",
+        ),
     ]
     for args, message in cases:
         result = run_cli(*args)
