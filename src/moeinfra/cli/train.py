@@ -60,7 +60,7 @@ def train(
 
     def progress(step: int, loss: float) -> None:
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.set_postfix(loss=format_number(loss))
 
     try:
         out, losses = run(path, config, overwrite=overwrite, progress=progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from moeinfra.numfmt import percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 _TITLE = "Training with MTP through DualPipeV, then drafting with it"
@@ -46,7 +47,7 @@ def build(out_dir: Path) -> Section:
                 stats = llm._core.spec_stats
             per_position = stats.per_position / max(stats.num_drafts, 1)
             rows.append(
-                [k, *[f"{100 * p:.0f}%" for p in per_position], *["—"] * (3 - k),
+                [k, *[percent(p) for p in per_position], *["—"] * (3 - k),
                  stats.mean_acceptance_length]
             )  # fmt: skip
             sample = sample or outputs[0]
