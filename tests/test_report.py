@@ -206,3 +206,14 @@ def test_training_section_plots_the_loss_and_measures_acceptance(tmp_path, monke
     assert cells[:1] == ["1"] and cells[-5] == "3"  # rows for 1, 2 and 3 drafts per step
     assert all(c.endswith("%") or c == "—" for c in cells[1:4])
     assert not [c for c in cells if SCIENTIFIC.search(c)]
+
+
+def test_signed_differences_follow_the_number_rule():
+    from moeinfra.numfmt import signed_percent
+
+    assert [signed_percent(x) for x in (0.1234, -0.03, 0.0, 1e-5)] == [
+        "+12.34%",
+        "-3%",
+        "0%",
+        "+0.001%",
+    ]

@@ -44,3 +44,8 @@ def format_number(value: float | int) -> str:
 def percent(fraction: float) -> str:
     """``fraction`` as a percentage by the same rule: ``percent(0.1234) == "12.34%"``."""
     return f"{format_number(100 * float(fraction))}%"
+
+
+def signed_percent(fraction: float) -> str:
+    """A difference as a percentage with its sign: ``+12.34%``, ``-3%``, ``0%``."""
+    return ("+" if float(fraction) > 0 else "") + percent(fraction)

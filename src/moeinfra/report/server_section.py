@@ -6,7 +6,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from moeinfra.numfmt import percent
+from moeinfra.numfmt import percent, signed_percent
 from moeinfra.report.page import Section, figure_html, table_html
 
 _TITLE = (
@@ -113,7 +113,7 @@ def build(out_dir: Path) -> Section:
                     r["figure"].replace("(s)", "(ms)"),
                     round(r["live"] * (1e3 if "(s)" in r["figure"] else 1), 1),
                     round(r["predicted"] * (1e3 if "(s)" in r["figure"] else 1), 1),
-                    f"{r['error']:+.0%}",
+                    signed_percent(r["error"]),
                 ]
                 for r in rows
             ],

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from moeinfra.numfmt import format_number as n
+from moeinfra.numfmt import signed_percent
 from moeinfra.report.page import Section, figure_html, table_html
 from moeinfra.serving.figures import plot_cost_income, plot_latency, plot_nodes, plot_throughput
 from moeinfra.serving.scenario import (
@@ -39,7 +40,7 @@ def build(out_dir: Path) -> Section:
     plot_throughput(result, out_dir / "serving_throughput.png")
     plot_latency(result, out_dir / "serving_latency.png")
     rows = [
-        [*_in_units(label, published, simulated), f"{diff:+.1%}" if round(diff, 3) else "0.0%"]
+        [*_in_units(label, published, simulated), signed_percent(diff)]
         for label, published, simulated, diff in published_vs_simulated(totals)
     ]
     d = result.to_dict(hourly=False)
