@@ -23,11 +23,11 @@ import torch.distributed as dist
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.config import EngineConfig
 from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
-from moeinfra.engine.hf_config import CheckpointError, ModelConfig, read_config
+from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.models.mtp import with_mtp_layer
-from moeinfra.engine.registry import architecture
+from moeinfra.engine.registry import architecture, require_mtp
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
 from moeinfra.engine.sequence import Preloaded, Sequence, Status
@@ -189,16 +189,8 @@ class EngineCore:
 
     def _load_mtp(self, reader: CheckpointReader, dtype: torch.dtype, keep_fp8: bool):
         """The checkpoint's MTP layer as this rank's draft model (its experts placed evenly)."""
-        source = reader.model_dir / "config.json"
-        if self.arch.load_mtp is None:
-            raise CheckpointError(
-                f"{source}: model_type={self.model_config.model_type!r} has no MTP draft support"
-            )
-        if self.model_config.num_mtp_layers < 1:
-            raise CheckpointError(
-                f"{source}: num_nextn_predict_layers={self.model_config.num_mtp_layers}: the "
-                "checkpoint has no MTP layer, so num_speculative_tokens must be 0"
-            )
+        source = str(reader.model_dir / "config.json")
+        require_mtp(self.arch, self.model_config, source, "num_speculative_tokens")
         mtp = self.arch.load_mtp(
             reader, self.model_config, self._initial_plan(1), self.comm, dtype, keep_fp8
         )

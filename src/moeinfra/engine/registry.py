@@ -59,6 +59,22 @@ def _builtin() -> None:
         )
 
 
+def require_mtp(arch: Architecture, config: ModelConfig, source: str, option: str) -> None:
+    """Raise a :class:`CheckpointError` naming ``source`` and the field when the checkpoint has no
+    MTP layer to draft with (or its architecture no MTP support): ``option`` (the drafts asked
+    for, as the caller names them) must then be 0."""
+    if arch.load_mtp is None:
+        raise CheckpointError(
+            f"{source}: model_type={config.model_type!r} has no MTP draft support, so "
+            f"{option} must be 0"
+        )
+    if config.num_mtp_layers < 1:
+        raise CheckpointError(
+            f"{source}: num_nextn_predict_layers={config.num_mtp_layers}: the checkpoint has no "
+            f"MTP layer, so {option} must be 0"
+        )
+
+
 def architecture(model_type: str, source: str = "config.json") -> Architecture:
     """The registered architecture of ``model_type``; a :class:`CheckpointError` names the others."""
     if not _REGISTRY:

@@ -66,23 +66,14 @@ def check_drafting(model_dir: str | Path, num_speculative_tokens: int) -> None:
     process starts): a :class:`~moeinfra.engine.hf_config.CheckpointError` naming the field."""
     if not num_speculative_tokens:
         return
-    from moeinfra.engine.hf_config import CheckpointError, read_config
-    from moeinfra.engine.registry import architecture
+    from moeinfra.engine.hf_config import read_config
+    from moeinfra.engine.registry import architecture, require_mtp
 
     source = str(Path(model_dir) / "config.json")
     raw = read_config(Path(model_dir))
     arch = architecture(raw["model_type"], source)
-    config = arch.parse_config(raw, source)
-    if arch.load_mtp is None:
-        raise CheckpointError(
-            f"{source}: model_type={config.model_type!r} has no MTP draft support, so "
-            f"--speculative-tokens={num_speculative_tokens} must be 0"
-        )
-    if config.num_mtp_layers < 1:
-        raise CheckpointError(
-            f"{source}: num_nextn_predict_layers={config.num_mtp_layers}: the checkpoint has no "
-            f"MTP layer, so --speculative-tokens={num_speculative_tokens} must be 0"
-        )
+    option = f"--speculative-tokens={num_speculative_tokens}"
+    require_mtp(arch, arch.parse_config(raw, source), source, option)
 
 
 def _disk_cache(spec: UnitSpec, core):

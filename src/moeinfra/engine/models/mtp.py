@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moeinfra.engine.checkpoint import CheckpointReader
-from moeinfra.engine.hf_config import CheckpointError, ModelConfig
+from moeinfra.engine.hf_config import ModelConfig
 from moeinfra.engine.kv_cache import KVLayout, LayerCache
 from moeinfra.engine.models.deepseek_v3 import (
     MoEBlock,
@@ -107,12 +107,8 @@ def load_mtp(
     keep_fp8: bool = False,
 ) -> MTP:
     """This rank's MTP layer (the first, ``model.layers.{num_hidden_layers}``) from ``reader``;
-    ``plan`` (one layer) places its routed experts."""
-    if config.num_mtp_layers < 1:
-        raise CheckpointError(
-            f"{reader.model_dir / 'config.json'}: num_nextn_predict_layers="
-            f"{config.num_mtp_layers}: the checkpoint has no MTP layer to draft with"
-        )
+    ``plan`` (one layer) places its routed experts. See
+    :func:`~moeinfra.engine.registry.require_mtp` for a checkpoint without one."""
     index = config.num_layers
     prefix = f"model.layers.{index}."
     layer = moe_layer(reader, config, plan, 0, index, comm, dtype, keep_fp8)
