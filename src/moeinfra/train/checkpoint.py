@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from moeinfra.engine.models.deepseek_v3 import HF_ATTENTION, HF_SWIGLU
 from moeinfra.train.model import Block, DeepSeekForTraining
 
-_ATTENTION = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "moe_norm.weight": "post_attention_layernorm.weight",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attn.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
+# the engine loader's maps, read backwards: the trainable layers have the engine's module names
+_ATTENTION = {ours: hf for hf, ours in HF_ATTENTION.items()}
+_SWIGLU = {
+    ours.removesuffix(".weight"): hf.removesuffix(".weight") for hf, ours in HF_SWIGLU.items()
 }
-_SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _swiglu(prefix: str, ours: str, state: dict) -> dict[str, torch.Tensor]:

@@ -31,8 +31,9 @@ from moeinfra.moe.runtime import ExpertParallelDecoder
 
 MODEL_TYPE = "deepseek_v3"
 
-# Hugging Face name (under model.layers.{i}.) -> (module path in a block, parameter)
-_ATTENTION = {
+# Hugging Face name (under model.layers.{i}.) -> (module path in a block, parameter); the
+# trainer (moeinfra.train) writes checkpoints by the same maps
+HF_ATTENTION = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "moe_norm.weight",
     "self_attn.q_a_proj.weight": "attn.wq_a.weight",
@@ -50,7 +51,7 @@ _INDEXER = {
     "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
     "self_attn.indexer.weights_proj.weight": "indexer.weights_proj.weight",
 }
-_SWIGLU = {
+HF_SWIGLU = {
     "gate_proj.weight": "w1.weight",
     "up_proj.weight": "w3.weight",
     "down_proj.weight": "w2.weight",
@@ -204,12 +205,12 @@ def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _expert(block: MoEConfig, size: int, reader, prefix: str, dtype, keep_fp8: bool) -> Expert:
     module = Expert(block.hidden_size, size).to(dtype)
-    load_module(module, reader, _SWIGLU, prefix, keep_fp8)
+    load_module(module, reader, HF_SWIGLU, prefix, keep_fp8)
     return module
 
 
 def attention_names(config: ModelConfig) -> dict[str, str]:
-    return dict(_ATTENTION) | (_INDEXER if config.indexer is not None else {})
+    return dict(HF_ATTENTION) | (_INDEXER if config.indexer is not None else {})
 
 
 def load_attention(block, reader, names: dict[str, str], prefix: str, keep_fp8: bool) -> None:
@@ -269,7 +270,7 @@ def load(
     )
     model = to_dtype(DeepseekV3(config, plan, comm, moe_layers), dtype)
     for i, dense in enumerate(model.dense):
-        names = attention_names(config) | {f"mlp.{k}": f"mlp.{v}" for k, v in _SWIGLU.items()}
+        names = attention_names(config) | {f"mlp.{k}": f"mlp.{v}" for k, v in HF_SWIGLU.items()}
         load_attention(dense, reader, names, f"model.layers.{i}.", keep_fp8)
     for j, moe_block in enumerate(model.moe_blocks):
         layer = config.first_k_dense_replace + j
