@@ -69,3 +69,25 @@ def reference(hf_model, prompt_ids):
             )
             out.append(gen[0, len(ids) :].tolist())
     return out
+
+
+def one_rank_model(path):
+    """``(architecture, config, model)``: the checkpoint in ``path`` as one rank holding every
+    expert, float32 (what the logits tests compare with transformers)."""
+    import numpy as np
+
+    from moeinfra.engine.checkpoint import CheckpointReader
+    from moeinfra.engine.hf_config import read_config
+    from moeinfra.engine.registry import architecture
+    from moeinfra.eplb import rebalance
+    from moeinfra.moe.comm import Communicator
+
+    raw = read_config(path)
+    arch = architecture(raw["model_type"])
+    config = arch.parse_config(raw, "config.json")
+    experts = config.block.num_routed_experts
+    plan = rebalance(
+        np.ones((config.num_moe_layers, experts)), experts, config.block.num_expert_groups, 1, 1
+    )
+    model = arch.load(CheckpointReader(path), config, plan, Communicator(), torch.float32)
+    return arch, config, model

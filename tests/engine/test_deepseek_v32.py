@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from moeinfra.engine import LLM, SamplingParams
-from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.hf_config import CheckpointError, published_config, read_config
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.tiny import TINY_INDEXER, init_tiny
-from moeinfra.eplb import rebalance
-from moeinfra.moe.comm import Communicator
 from moeinfra.moe.mla import Segment
 
-from .conftest import PROMPTS
+from .conftest import PROMPTS, one_rank_model
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -76,18 +72,6 @@ def v32_reference(hf_v32, v32_prompts):
     return _generate(hf_v32, v32_prompts)
 
 
-def _model(path):
-    raw = read_config(path)
-    arch = architecture(raw["model_type"])
-    config = arch.parse_config(raw, "config.json")
-    experts = config.block.num_routed_experts
-    plan = rebalance(
-        np.ones((config.num_moe_layers, experts)), experts, config.block.num_expert_groups, 1, 1
-    )
-    model = arch.load(CheckpointReader(path), config, plan, Communicator(), torch.float32)
-    return arch, config, model
-
-
 def test_most_requests_attend_sparsely(v32_prompts):
     """The comparison means something: most prompts plus outputs are longer than index_topk."""
     longer = [len(ids) + MAX_TOKENS > TOPK for ids in v32_prompts]
@@ -96,7 +80,7 @@ def test_most_requests_attend_sparsely(v32_prompts):
 
 
 def test_logits_match_transformers_over_chunks_and_decode(v32_path, hf_v32):
-    arch, config, model = _model(v32_path)
+    arch, config, model = one_rank_model(v32_path)
     ids = [(7 * i) % 1000 + 3 for i in range(60)]
     cache = PagedKVCache(arch.kv_layout(config, torch.float32), 64, 4)
     step = StepCache(cache, {0: StepCache.slots_of(list(range(63, 47, -1)), 4)})
@@ -263,7 +247,7 @@ def test_sparse_queries_gather_topk_entries_however_long_the_context(v32_path, m
 
     monkeypatch.setattr(attention, "decode_attention", recording_decode)
     monkeypatch.setattr(attention, "select_tokens", recording_select)
-    arch, config, model = _model(v32_path)
+    arch, config, model = one_rank_model(v32_path)
     cache = PagedKVCache(arch.kv_layout(config, torch.float32), 128, 4)
     step = StepCache(
         cache,

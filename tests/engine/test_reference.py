@@ -5,21 +5,15 @@ preemption, and across live expert rebalances."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from moeinfra.engine import LLM, SamplingParams
-from moeinfra.engine.checkpoint import CheckpointReader
-from moeinfra.engine.hf_config import read_config
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
-from moeinfra.engine.registry import architecture
-from moeinfra.eplb import rebalance
-from moeinfra.moe.comm import Communicator
 from moeinfra.moe.launch import launch
 from moeinfra.moe.mla import Segment
 
-from .conftest import MAX_TOKENS
+from .conftest import MAX_TOKENS, one_rank_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # float32 end to end; measured ~1e-5 on logits of magnitude ~20 (the absorbed MLA form and the
@@ -27,20 +21,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 LOGIT_TOL = 1e-4
 
 
-def _model(path, world=1):
-    raw = read_config(path)
-    arch = architecture(raw["model_type"])
-    config = arch.parse_config(raw, "config.json")
-    experts = config.block.num_routed_experts
-    plan = rebalance(
-        np.ones((config.num_moe_layers, experts)), experts, config.block.num_expert_groups, 1, 1
-    )
-    model = arch.load(CheckpointReader(path), config, plan, Communicator(), torch.float32)
-    return arch, config, model
-
-
 def test_logits_match_transformers_prefill_and_decode(tiny_path, hf_model, prompt_ids):
-    arch, config, model = _model(tiny_path)
+    arch, config, model = one_rank_model(tiny_path)
     cache = PagedKVCache(arch.kv_layout(config, torch.float32), 32, 4)
     ids = prompt_ids[1]
     table = StepCache.slots_of([7, 2, 30, 5, 11, 0, 9, 1, 3, 4, 6, 8, 10, 12], 4)
@@ -60,7 +42,7 @@ def test_long_prompt_chunks_attend_expanded_and_match_transformers(tiny_path, hf
     its logits match transformers as the absorbed decode path's do."""
     from moeinfra.engine.attention import expanded_attention_threshold
 
-    arch, config, model = _model(tiny_path)
+    arch, config, model = one_rank_model(tiny_path)
     threshold = expanded_attention_threshold(model.dense[0].attn)
     ids = [(7 * i) % 1000 + 3 for i in range(150)]
     assert len(ids) > threshold > 1

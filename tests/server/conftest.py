@@ -90,3 +90,31 @@ def fake_router(units: dict[str, tuple[str, float]]) -> Router:
             rank.busy_s = work
         unit.ranks.append(rank)
     return router
+
+
+def disaggregated(path, cache_dir, *extra: str) -> ServerProcess:
+    """``serve up`` with one prefill and one decode rank, an on-disk cache in ``cache_dir`` and
+    4-token blocks (``extra``: more options)."""
+    return ServerProcess(
+        [
+            "--model", str(path),
+            "--prefill-ranks", "1", "--decode-ranks", "1",
+            "--kv-cache-dir", str(cache_dir),
+            "--block-size", "4", "--num-kv-blocks", "256",
+            *extra,
+        ]
+    )  # fmt: skip
+
+
+def greedy_completion(server, prompt: str, max_tokens: int):
+    """The server's greedy completion of ``prompt`` (EOS ignored), through the openai client."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )

@@ -3,9 +3,8 @@ key), decode, and the on-disk prefix cache across a restart — the engine's gre
 
 from __future__ import annotations
 
-import openai
 import pytest
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import disaggregated, greedy_completion
 
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine.tiny import TINY_INDEXER, init_tiny
@@ -20,29 +19,6 @@ MAX_TOKENS = 20
 LONG = " ".join(["the prefill unit writes its index keys to disk"] * 4)
 
 
-def _serve(path, cache_dir) -> ServerProcess:
-    return ServerProcess(
-        [
-            "--model", str(path),
-            "--prefill-ranks", "1", "--decode-ranks", "1",
-            "--kv-cache-dir", str(cache_dir),
-            "--block-size", "4", "--num-kv-blocks", "256",
-        ]
-    )  # fmt: skip
-
-
-def _complete(server, prompt):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    model = client.models.list().data[0].id
-    return client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-
-
 @pytest.mark.timeout(300)
 def test_disaggregated_server_answers_as_the_engine_and_reuses_disk_blocks(tmp_path):
     path = init_tiny(tmp_path / "v32", tokenizer="bpe", arch="deepseek_v32")
@@ -51,19 +27,19 @@ def test_disaggregated_server_answers_as_the_engine_and_reuses_disk_blocks(tmp_p
         expected = [r.outputs[0].text for r in llm.generate([*PROMPTS, LONG], params)]
         assert len(llm.tokenizer.encode(LONG)) > 2 * TINY_INDEXER["index_topk"]
     cache_dir = tmp_path / "kvdisk"
-    server = _serve(path, cache_dir)
+    server = disaggregated(path, cache_dir)
     try:
-        got = [_complete(server, p).choices[0].text for p in PROMPTS]
-        first = _complete(server, LONG)
+        got = [greedy_completion(server, p, MAX_TOKENS).choices[0].text for p in PROMPTS]
+        first = greedy_completion(server, LONG, MAX_TOKENS)
     finally:
         assert server.stop() == 0, "".join(server.log)
     assert got == expected[:-1]
     assert first.choices[0].text == expected[-1]
     assert any(cache_dir.rglob("*")), "the prefill unit wrote no KV blocks to disk"
     # a new server on the same folder reads the prompt's blocks (index keys too) from disk
-    again_server = _serve(path, cache_dir)
+    again_server = disaggregated(path, cache_dir)
     try:
-        again = _complete(again_server, LONG)
+        again = greedy_completion(again_server, LONG, MAX_TOKENS)
     finally:
         assert again_server.stop() == 0, "".join(again_server.log)
     assert again.usage.prompt_tokens_details.cached_tokens >= 4 * TINY_INDEXER["index_topk"] // 2

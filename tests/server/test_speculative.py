@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
-from tests.server.conftest import ServerProcess, metric, wait_until
+from tests.server.conftest import disaggregated, greedy_completion, metric, wait_until
 
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine.config import EngineConfig
@@ -23,29 +22,6 @@ MAX_TOKENS = 12
 K = 2
 
 
-def _serve(path, cache_dir) -> ServerProcess:
-    return ServerProcess(
-        [
-            "--model", str(path),
-            "--prefill-ranks", "1", "--decode-ranks", "1",
-            "--kv-cache-dir", str(cache_dir),
-            "--block-size", "4", "--num-kv-blocks", "256",
-            "--speculative-tokens", str(K),
-        ]
-    )  # fmt: skip
-
-
-def _complete(server, prompt):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    return client.completions.create(
-        model=client.models.list().data[0].id,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-
-
 @pytest.mark.timeout(300)
 def test_drafting_units_answer_as_the_engine_without_drafts_and_reuse_disk_blocks(tmp_path):
     path = init_tiny(tmp_path / "mtp", tokenizer="bpe", config={"num_nextn_predict_layers": 1})
@@ -53,10 +29,10 @@ def test_drafting_units_answer_as_the_engine_without_drafts_and_reuse_disk_block
     with LLM(path, block_size=4, num_kv_blocks=256) as llm:
         expected = [r.outputs[0].text for r in llm.generate([*PROMPTS, LONG], params)]
     cache_dir = tmp_path / "kvdisk"
-    server = _serve(path, cache_dir)
+    server = disaggregated(path, cache_dir, "--speculative-tokens", str(K))
     try:
         health = httpx.get(f"{server.url}/health").json()
-        got = [_complete(server, p).choices[0].text for p in [*PROMPTS, LONG]]
+        got = [greedy_completion(server, p, MAX_TOKENS).choices[0].text for p in [*PROMPTS, LONG]]
 
         def spec(name: str) -> float:
             return metric(server.url, f"moeinfra:spec_decode_num_{name}_total")
@@ -84,9 +60,9 @@ def test_drafting_units_answer_as_the_engine_without_drafts_and_reuse_disk_block
     assert any(cache_dir.rglob("*.kv")), "the prefill unit wrote no KV blocks to disk"
     # a new server on the same folder reads the prompt's blocks (MTP layer too) from disk, all
     # but the last of the hit
-    again_server = _serve(path, cache_dir)
+    again_server = disaggregated(path, cache_dir, "--speculative-tokens", str(K))
     try:
-        again = _complete(again_server, LONG)
+        again = greedy_completion(again_server, LONG, MAX_TOKENS)
     finally:
         assert again_server.stop() == 0, "".join(again_server.log)
     # blocks of the prompt less its last token, all but the last of them
