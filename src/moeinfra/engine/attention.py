@@ -102,7 +102,7 @@ def plan_attention(
         decode_slots,
         decode_mask,
         chunks,
-        _sparse_parts(segments, offsets, slots, limit, device),
+        _sparse_parts(segments, offsets, slots, limit, device) if dense_below is not None else [],
         [_batched(segments, idx, n, offsets, slots, device) for n, idx in short.items()],
     )
 
