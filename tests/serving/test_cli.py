@@ -330,7 +330,7 @@ def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
          "error: --kv-cache-dtype='int8' is not one of bf16, fp8"),
         (["position-cost", "--kv-cache-dtype", "fp4"],
          "error: --kv-cache-dtype='fp4' is not one of bf16, fp8"),
-        (["position-cost", "--mtp", "1.5"], "error: --mtp=1.5 must be in [0, 1)"),
+        (["position-cost", "--mtp", "1.5"], "error: --mtp-acceptance=1.5 must be a number in [0, 1)"),
     ],
 )  # fmt: skip
 def test_a_bad_model_is_one_line_naming_the_option_and_what_is_allowed(args, message):

@@ -182,4 +182,4 @@ def test_cli_refuses_an_acceptance_of_one():
         [sys.executable, "-m", "moeinfra.cli", "serve", "frontier", "--mtp", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 2 and "--mtp=1.0" in done.stderr
+    assert done.returncode == 2 and "--mtp-acceptance=1 must be" in done.stderr

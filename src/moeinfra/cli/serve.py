@@ -563,6 +563,21 @@ def _node_list(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted({int(p) for p in parts}))
 
 
+_MTP_NAMES = ("--mtp-acceptance", "--mtp")
+MTP_HELP = (
+    "Share of first MTP drafts accepted (DeepSeek-V3: 0.85-0.9; 0: off), or where it was "
+    "measured: a /metrics file or http(s):// URL of moeinfra serve up run with "
+    "--speculative-tokens (accepted position-0 drafts / verification rounds with drafts)."
+)
+
+
+def _mtp(value: str):
+    """``--mtp-acceptance`` as a :class:`~moeinfra.serving.mtp_acceptance.MtpAcceptance`."""
+    from moeinfra.serving.mtp_acceptance import read_mtp_acceptance
+
+    return read_mtp_acceptance(value, "--mtp-acceptance")
+
+
 @app.command("plan")
 def plan_cmd(
     workload: Path | None = typer.Option(
@@ -620,11 +635,11 @@ def plan_cmd(
     micro_batches: str = typer.Option(
         "1,2", "--micro-batches", help="Micro-batch counts to try (2: dual micro-batch overlap)."
     ),
-    mtp: float = typer.Option(
-        0.0,
-        "--mtp",
-        help="Also try decoding with multi-token prediction accepting this share of drafts "
-        "(DeepSeek-V3: 0.85-0.9); 0: only without.",
+    mtp: str = typer.Option(
+        "0",
+        *_MTP_NAMES,
+        metavar="ACCEPTANCE|METRICS",
+        help="Also try decoding with multi-token prediction (0: only without). " + MTP_HELP,
     ),
     max_batch_per_gpu: str = typer.Option(
         "",
@@ -687,8 +702,8 @@ def plan_cmd(
     mbs = _node_list(micro_batches, "--micro-batches")
     if not set(mbs) <= {1, 2}:
         raise InputError(f"--micro-batches={micro_batches!r}: allowed 1, 2 or 1,2")
-    if not 0.0 <= mtp < 1.0:
-        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
+    mtp_measured = _mtp(mtp)
+    mtp = mtp_measured.acceptance
     limits = []
     for part in filter(None, (p.strip() for p in max_batch_per_gpu.split(","))):
         try:
@@ -756,6 +771,7 @@ def plan_cmd(
         + ("" if cal is None else "; null: at that bound no candidate meets the SLOs"),
         "step_time_bounds": bounds or None,
         "model": _model_summary(served or (DEEPSEEK_V3 if cal is None else cal.model)),
+        "mtp": mtp_measured.to_dict() if mtp else None,
     }
     # requests refused on arrival (longer than the model's context): counted, not planned for
     refused = real_parts(list(trace.refused.values()), trace.scale)
@@ -774,6 +790,8 @@ def plan_cmd(
         typer.echo(json.dumps(payload, indent=2))
         return
     _print_plan(result, source, payload, bound_figures, served)
+    if mtp_measured.measured:
+        Console().print(mtp_measured.describe())
 
 
 def _print_plan(result, source: str, payload: dict, bound_figures: list, served=None) -> None:
@@ -876,11 +894,8 @@ def frontier_cmd(
     nodes: str = typer.Option(
         "1,2,4,8,16,18,32", "--nodes", help="Nodes per decode unit to try, comma-separated."
     ),
-    mtp: float = typer.Option(
-        0.0,
-        "--mtp",
-        help="Multi-token prediction accepting this share of drafts (DeepSeek-V3: 0.85-0.9); "
-        "0: off.",
+    mtp: str = typer.Option(
+        "0", *_MTP_NAMES, metavar="ACCEPTANCE|METRICS", help="Multi-token prediction. " + MTP_HELP
     ),
     calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
@@ -899,8 +914,8 @@ def frontier_cmd(
 
     counts = _node_list(nodes, "--nodes")
     check_positive(kv, "--kv")
-    if not 0.0 <= mtp < 1.0:
-        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
+    mtp_measured = _mtp(mtp)
+    mtp = mtp_measured.acceptance
     if out is not None:
         output_folder(out, "--out")
     cal = _calibration(_calibration_name(calibration, hardware))
@@ -932,6 +947,7 @@ def frontier_cmd(
         "deepseek_published": DEEPSEEK_DECODE_POINT,
         "best_at_deepseek_speed": None if best is None else best.to_dict(),
         "model": _model_summary(spec),
+        "mtp": mtp_measured.to_dict() if mtp else None,
     }
     if out is not None:
         from moeinfra.atomicio import write_text_atomic
@@ -967,6 +983,8 @@ def frontier_cmd(
     console.print(table)
     if served is not None:
         console.print(_model_line(served))
+    if mtp:
+        console.print(mtp_measured.describe())
     for reason in front.unfit:
         console.print(f"left out: {reason}")
     if best is not None:
@@ -1000,13 +1018,22 @@ def model_cmd(
         "--micro-batches",
         help="2: dual micro-batch overlap (DeepSeek's, the default); 1: no overlap.",
     ),
+    mtp: str | None = typer.Option(
+        None,
+        *_MTP_NAMES,
+        metavar="ACCEPTANCE|METRICS",
+        help="--phase decode: each step verifies a draft per request and yields 1 + acceptance "
+        "tokens. " + MTP_HELP,
+    ),
     calibration: str | None = typer.Option(None, "--calibration", help=CALIBRATION_HELP),
     kernels: str = typer.Option("first-principles", "--kernels", help=_KERNELS_HELP),
     model: str | None = typer.Option(None, "--model", help=MODEL_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Per-layer time breakdown of one step of one prefill or decode unit."""
+    """Per-layer time breakdown of one step of one prefill or decode unit (decode with MTP:
+    --mtp-acceptance)."""
+    from moeinfra.serving.mtp_acceptance import MtpAcceptance
     from moeinfra.serving.perfmodel import PerfModel
     from moeinfra.serving.specs import DEEPSEEK_V3, Deployment, fitting_redundant_experts
     from moeinfra.serving.specs import hardware as hardware_spec
@@ -1023,6 +1050,12 @@ def model_cmd(
         raise InputError(f"--tokens-per-gpu={tokens_per_gpu} must be >= 1")
     if micro_batches not in (None, 1, 2):
         raise InputError(f"--micro-batches={micro_batches} must be 1 or 2")
+    if mtp is not None and phase == "prefill":
+        raise InputError(
+            f"--mtp-acceptance={mtp} applies to --phase decode only (prefill does not draft)"
+        )
+    mtp_measured = None if mtp is None else _mtp(mtp)
+    acceptance = 0.0 if mtp_measured is None else mtp_measured.acceptance
     calibration = _calibration_name(calibration, hardware, kernels)
     tables = _kernel_tables(kernels, calibration, hardware)
     check_positive(batch, "--batch")
@@ -1037,7 +1070,12 @@ def model_cmd(
             unit_nodes, hw_used.gpus_per_node, spec.num_routed_experts
         )
     dep = Deployment(
-        phase, unit_nodes, redundant, micro_batches or 2, tokens_per_gpu=tokens_per_gpu
+        phase,
+        unit_nodes,
+        redundant,
+        micro_batches or 2,
+        tokens_per_gpu=tokens_per_gpu,
+        mtp_acceptance=acceptance,
     )
     if cal is None:
         perf = PerfModel(dep, hw_spec, served or DEEPSEEK_V3, kernels=tables)
@@ -1046,6 +1084,8 @@ def model_cmd(
             dep = cal.units[phase]
         if micro_batches is not None:
             dep = dep.with_(micro_batches=micro_batches)
+        if mtp_measured is not None:
+            dep = dep.with_(mtp_acceptance=acceptance)
         perf = (cal if served is None else cal.with_model(served)).perf_model(dep)
         hardware = cal.hardware.name
     perf.check_fits()
@@ -1057,7 +1097,8 @@ def model_cmd(
         tokens_per_s = b.tokens_per_gpu * perf.gpus / b.step_s
     else:
         b = perf.decode_breakdown(batch, kv)
-        tokens_per_s = batch * perf.gpus / b.step_s
+        # with MTP a step verifies a draft per request and yields 1 + acceptance tokens
+        tokens_per_s = batch * perf.gpus * dep.tokens_per_step / b.step_s
     payload = {
         "phase": phase,
         "hardware": hardware,
@@ -1085,13 +1126,22 @@ def model_cmd(
     if served is not None:
         payload["model"] = _model_summary(served)
     if phase == "decode":
-        payload["output_tokens_per_s_per_request"] = 1.0 / b.step_s
+        payload["output_tokens_per_s_per_request"] = dep.tokens_per_step / b.step_s
+        payload["output_tokens_per_step_per_request"] = dep.tokens_per_step
+        if dep.mtp_acceptance and mtp_measured is None:  # a calibration's unit drafting
+            mtp_measured = MtpAcceptance(dep.mtp_acceptance, f"calibration {calibration}")
+        payload["mtp"] = mtp_measured.to_dict() if dep.mtp_acceptance else None
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
+    per_request = (
+        f", {_n(payload['output_tokens_per_s_per_request'])} tokens/s per request"
+        if phase == "decode"
+        else ""
+    )
     table = Table(
         title=f"{phase} step on {_n(dep.nodes)} x {hardware}: {_n(b.step_s * 1e3)} ms, "
-        f"{_n(payload['tokens_per_s_per_node'])} tokens/s per node"
+        f"{_n(payload['tokens_per_s_per_node'])} tokens/s per node{per_request}"
     )
     m = perf.model
     dense_i, moe_i = 0, m.num_dense_layers
@@ -1114,6 +1164,11 @@ def model_cmd(
         f"{'none' if cal is None else cal.name}; kernels {kernels}"
     )
     console.print(f"memory per GPU: {memory.describe()}")
+    if payload.get("mtp"):
+        console.print(
+            f"{mtp_measured.describe()}: {_n(dep.tokens_per_step)} tokens per request per step, "
+            "the MTP module as one more MoE layer and two query tokens per request"
+        )
     if served is not None:
         console.print(_model_line(served))
     for part, source in b.sources.items():
@@ -1135,11 +1190,8 @@ def position_cost_cmd(
         help="DeepSeek-V3.2's KV cache: fp8 (as DeepSeek's sparse decoding kernel and vLLM/SGLang "
         "store it) or bf16; V3.1-Terminus keeps BF16, as FlashMLA's dense decoding kernel reads it.",
     ),
-    mtp: float = typer.Option(
-        0.0,
-        "--mtp",
-        help="Decode with multi-token prediction accepting this share of drafts (DeepSeek-V3: "
-        "0.85-0.9); 0: off.",
+    mtp: str = typer.Option(
+        "0", *_MTP_NAMES, metavar="ACCEPTANCE|METRICS", help="Decode with MTP. " + MTP_HELP
     ),
     decode_batch: float = typer.Option(
         128.0, "--decode-batch", help="Decode requests per GPU the step is shared by."
@@ -1158,8 +1210,8 @@ def position_cost_cmd(
         raise InputError(
             f"--kv-cache-dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
         )
-    if not 0.0 <= mtp < 1.0:
-        raise InputError(f"--mtp={mtp} must be in [0, 1) (the share of drafts accepted; 0: off)")
+    mtp_measured = _mtp(mtp)
+    mtp = mtp_measured.acceptance
     check_positive(decode_batch, "--decode-batch")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
     cal = _calibration(_calibration_name(calibration, hardware))
@@ -1186,6 +1238,7 @@ def position_cost_cmd(
         "calibration": _calibration_summary(cal),
         "v3.2_kv_cache_dtype": kv_cache_dtype,
         "mtp_acceptance": mtp,
+        "mtp": mtp_measured.to_dict() if mtp else None,
         "decode_batch_per_gpu": decode_batch,
         "usd_per_million_tokens": compared,
         "published_source": {k: source[k] for k in ("url", "figure", "uncertainty")},
@@ -1225,3 +1278,5 @@ def position_cost_cmd(
         + ", ".join(f"{phase} {percent(w)} off" for phase, w in worst.items())
         + f"; published points digitised from {source['url']} ({source['figure'].split(',')[0]})"
     )
+    if mtp_measured.measured:
+        console.print(mtp_measured.describe())
