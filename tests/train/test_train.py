@@ -97,6 +97,44 @@ def test_the_trained_checkpoint_generates_as_transformers_and_its_drafts_are_acc
     assert llm._core.spec_stats.acceptance_rate > 0.05
 
 
+def test_the_acceptance_the_engine_measures_feeds_the_serving_model(trained, tmp_path):
+    """The trained model's first-draft acceptance, counted by the engine, reported as a unit
+    reports it to the server, saved from the server's ``/metrics`` and given to ``serve model
+    --mtp-acceptance``: the serving model decodes with exactly that acceptance."""
+    from prometheus_client import generate_latest
+
+    from moeinfra.server.metrics import ServerMetrics
+
+    path, _ = trained
+    prompts = ["Expert parallelism spreads the experts", "The decode unit", "Prefill and decode"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        llm.generate(prompts, greedy, use_tqdm=False)
+        spec = llm._core.spec_stats
+    report = {  # the totals a unit's state report carries (server/unit.py)
+        "spec_num_drafts": spec.num_drafts,
+        "spec_num_draft_tokens": spec.num_draft_tokens,
+        "spec_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_accepted_per_pos": spec.per_position.tolist(),
+    }
+    metrics = ServerMetrics()
+    metrics.spec_decode({}, report)
+    saved = tmp_path / "metrics.txt"
+    saved.write_bytes(generate_latest(metrics.registry))
+    done = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", "model", "--batch", "1", "--json"]
+        + ["--mtp-acceptance", str(saved)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    served = json.loads(done.stdout)
+    measured = spec.per_position[0] / spec.num_drafts
+    assert 0 < measured < 1
+    assert served["mtp"]["acceptance"] == pytest.approx(measured, rel=1e-12)
+    assert served["mtp"]["verification_rounds_with_drafts"] == spec.num_drafts
+    assert served["output_tokens_per_step_per_request"] == pytest.approx(1 + measured)
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
