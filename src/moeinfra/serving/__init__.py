@@ -1,5 +1,7 @@
 """Serving a DeepSeek-V3-style MoE model: prefill/decode-disaggregated fleet, from kernels to dollars.
 
+* :mod:`~moeinfra.serving.arch` — the arithmetic of an architecture from its ``config.json``
+  (DeepSeek-V3, V3.2, V4-Flash, V4-Pro): parameters, KV bytes and FLOPs per token by context.
 * :mod:`~moeinfra.serving.specs` — :class:`ModelSpec` (DeepSeek-V3 and V3.2 from their published
   configs: :data:`MODELS`), :class:`HardwareSpec`, :class:`Deployment` and their presets; the
   expert imbalance of a unit from an EPLB plan.

@@ -8,19 +8,19 @@ and :func:`deepseek_decode_unit` (the units DeepSeek described on 2025-02-28).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
-from importlib import resources
 
 from moeinfra.errors import InputError
 
-#: KV-cache storage formats (``kv_cache_dtype``): ``bf16`` (every cached value in 2 bytes) or
-#: ``fp8`` as vLLM and SGLang store DeepSeek's caches (``--kv-cache-dtype fp8``): a dense MLA latent
-#: of 576 FP8 values (one scale per tensor); a sparse-attention model's latent in FlashMLA's
-#: ``fp8_ds_mla`` layout (512 FP8 values, 4 float32 scales, 64 BF16 RoPE values: 656 bytes) and its
-#: index key as FP8 with one float32 scale per 128 values (132 bytes for 128 dimensions).
-KV_CACHE_DTYPES = ("bf16", "fp8")
+# The byte formats of a cached entry and the published configs are the architecture's arithmetic
+# (moeinfra.serving.arch), described once; re-exported here for the serving model's callers.
+from moeinfra.serving.arch import (
+    KV_CACHE_DTYPES,
+    index_key_bytes,
+    mla_latent_bytes,
+    published_config,
+)
 
 
 @dataclass(frozen=True)
@@ -176,12 +176,9 @@ class ModelSpec:
         """Bytes of one token's MLA latent (with its RoPE key) in one layer's cache: 1,152 in
         BF16; in FP8 576 (dense) or 656 (sparse, FlashMLA's ``fp8_ds_mla``: 512 FP8 values, 4
         float32 scales, 64 BF16 RoPE values)."""
-        if self.kv_cache_dtype == "bf16":
-            return 2 * self.kv_values_per_token_layer
-        if self.sparse:
-            groups = math.ceil(self.kv_lora_rank / 128)
-            return self.kv_lora_rank + 4 * groups + 2 * self.qk_rope_head_dim
-        return self.kv_values_per_token_layer
+        return mla_latent_bytes(
+            self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dtype, self.sparse
+        )
 
     @property
     def index_key_bytes_per_token_layer(self) -> int:
@@ -189,9 +186,7 @@ class ModelSpec:
         FP8 (128 FP8 values and one float32 scale per 128, as vLLM and SGLang store it)."""
         if not self.sparse:
             return 0
-        if self.kv_cache_dtype == "bf16":
-            return 2 * self.index_head_dim
-        return self.index_head_dim + 4 * math.ceil(self.index_head_dim / 128)
+        return index_key_bytes(self.index_head_dim, self.kv_cache_dtype, fp4=False)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -247,14 +242,6 @@ class HardwareSpec:
     @property
     def node_hour_usd(self) -> float:
         return self.gpu_hour_usd * self.gpus_per_node
-
-
-def published_config(name: str) -> dict:
-    """DeepSeek's released ``config.json`` ``name`` (``deepseek-v3``, ``deepseek-v3.2-exp``) as the
-    engine ships it (``moeinfra/engine/data/configs/``), read as a file: the engine package is not
-    imported."""
-    path = resources.files("moeinfra").joinpath(f"engine/data/configs/{name}.json")
-    return json.loads(path.read_text())
 
 
 #: Architectures served, each from DeepSeek's published ``config.json``: DeepSeek-V3 (also
