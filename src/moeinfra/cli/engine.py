@@ -34,7 +34,8 @@ def init_tiny_cmd(
     arch: str = typer.Option(
         "deepseek_v3",
         "--arch",
-        help="deepseek_v3, or deepseek_v32 (DeepSeek-V3.2: sparse attention, index_topk 16).",
+        help="deepseek_v3, deepseek_v32 (DeepSeek-V3.2: sparse attention, index_topk 16) or "
+        "deepseek_v4 (DeepSeek-V4: sliding-window and compressed attention, mHC, hash routing).",
     ),
 ) -> None:
     """Write a small DeepSeek-V3-shaped checkpoint (random weights) in Hugging Face's format."""
@@ -51,7 +52,11 @@ def init_tiny_cmd(
         config=_config_overrides(overrides),
         arch=arch,
     )
-    name = {"deepseek_v3": "DeepSeek-V3", "deepseek_v32": "DeepSeek-V3.2"}[arch]
+    name = {
+        "deepseek_v3": "DeepSeek-V3",
+        "deepseek_v32": "DeepSeek-V3.2",
+        "deepseek_v4": "DeepSeek-V4",
+    }[arch]
     typer.echo(f"tiny {name} checkpoint written to {out}")
 
 

@@ -127,6 +127,8 @@ class EngineCore:
         raw = read_config(model_dir)
         self.arch = architecture(raw["model_type"], str(model_dir / "config.json"))
         self.model_config: ModelConfig = self.arch.parse_config(raw, str(model_dir / "config.json"))
+        if self.arch.check_block_size is not None:
+            self.arch.check_block_size(self.model_config, self.config.block_size)
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.plan = self._initial_plan()
         local_rank = os.environ.get("LOCAL_RANK")  # torchrun's; a spawned rank's is set already

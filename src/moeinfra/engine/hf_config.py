@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moeinfra.errors import InputError
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.rope import Yarn
+
+if TYPE_CHECKING:
+    from moeinfra.engine.models.deepseek_v4 import V4Attention
 
 
 class CheckpointError(InputError):
@@ -52,7 +56,8 @@ class ModelConfig:
     ``block`` holds the sizes of one decoder block (MLA + MoE) in :mod:`moeinfra.moe`'s terms;
     ``num_layers`` is ``num_hidden_layers`` (the MTP layers after them are not loaded);
     ``first_k_dense_replace`` layers have a dense SwiGLU MLP of ``intermediate_size`` instead of MoE;
-    ``indexer``: DeepSeek-V3.2's sparse-attention indexer (None: dense MLA, DeepSeek-V3).
+    ``indexer``: DeepSeek-V3.2's sparse-attention indexer (None: dense MLA, DeepSeek-V3);
+    ``v4``: DeepSeek-V4's attention and residual streams (None: MLA).
     """
 
     model_type: str
@@ -69,6 +74,7 @@ class ModelConfig:
     quantization: dict | None
     torch_dtype: str
     indexer: IndexerConfig | None = None
+    v4: V4Attention | None = None
 
     @property
     def num_moe_layers(self) -> int:

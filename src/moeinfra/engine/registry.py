@@ -1,9 +1,10 @@
 """Model architectures by ``config.json``'s ``model_type`` (as vLLM keeps them).
 
 An :class:`Architecture` says how to read the config, what one token's KV cache holds, and how to
-build one rank's model from a checkpoint. ``deepseek_v3`` and ``deepseek_v32`` (sparse attention
-with an indexer) are built in; ``deepseek_v4`` (mixed sliding/compressed attention) plugs in with its
-own attention and :class:`~moeinfra.engine.kv_cache.KVLayout` through :func:`register`.
+build one rank's model from a checkpoint. Built in: ``deepseek_v3``, ``deepseek_v32`` (sparse
+attention with an indexer) and ``deepseek_v4`` (sliding-window and compressed attention, mHC); others
+plug in with their own attention and :class:`~moeinfra.engine.kv_cache.KVLayout` through
+:func:`register`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class Architecture:
     """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype) -> KVLayout``;
     ``load(reader, config, plan, comm, dtype, keep_fp8=False) -> model`` (see
     :mod:`.models.deepseek_v3`); ``load_mtp`` (same arguments, a one-layer plan) -> the draft model
-    of speculative decoding (:mod:`.models.mtp`), None where the architecture has none."""
+    of speculative decoding (:mod:`.models.mtp`), None where the architecture has none;
+    ``check_block_size(config, block_size)`` raises where the cache's blocks cannot be that size."""
 
     model_type: str
     hf_architecture: str
@@ -30,6 +32,7 @@ class Architecture:
     kv_layout: Callable[[ModelConfig, torch.dtype], KVLayout]
     load: Callable
     load_mtp: Callable | None = None
+    check_block_size: Callable[[ModelConfig, int], None] | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -41,7 +44,7 @@ def register(architecture: Architecture) -> None:
 
 
 def _builtin() -> None:
-    from moeinfra.engine.models import deepseek_v3, deepseek_v32, mtp
+    from moeinfra.engine.models import deepseek_v3, deepseek_v4, deepseek_v32, mtp
 
     for module, hf_architecture in (
         (deepseek_v3, "DeepseekV3ForCausalLM"),
@@ -57,6 +60,17 @@ def _builtin() -> None:
                 mtp.load_mtp,
             )
         )
+    v4 = deepseek_v4
+    register(
+        Architecture(
+            v4.MODEL_TYPE,
+            "DeepseekV4ForCausalLM",
+            v4.parse_config,
+            v4.kv_layout,
+            v4.load,
+            check_block_size=v4.check_block_size,
+        )
+    )
 
 
 def require_mtp(arch: Architecture, config: ModelConfig, source: str, option: str) -> None:

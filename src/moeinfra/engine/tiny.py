@@ -31,7 +31,7 @@ from moeinfra.engine.fp8 import quantize
 from moeinfra.errors import InputError
 
 TOKENIZERS = ("deepseek-v3", "bpe")
-ARCHITECTURES = ("deepseek_v3", "deepseek_v32")
+ARCHITECTURES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 # DeepSeek-V3.2's indexer at tiny size: top-16 of the earlier tokens, so prompts plus outputs of a
 # few dozen tokens attend sparsely (a top-k at least the context would equal dense attention).
 TINY_INDEXER = {"index_n_heads": 16, "index_head_dim": 32, "index_topk": 16}
@@ -64,6 +64,8 @@ def tiny_config(vocab_size: int, dtype: str = "float32", arch: str = "deepseek_v
     if arch == "deepseek_v32":
         v32 = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
         return tiny_config(vocab_size, dtype) | v32 | TINY_INDEXER
+    if arch == "deepseek_v4":
+        return _tiny_v4_config(vocab_size, dtype)
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -115,8 +117,159 @@ def tiny_config(vocab_size: int, dtype: str = "float32", arch: str = "deepseek_v
     }
 
 
+def _tiny_v4_config(vocab_size: int, dtype: str) -> dict:
+    """DeepSeek-V4 at tiny size, shaped so that every feature changes the output: all three layer
+    kinds, a window (8) and compression windows (4, 16) shorter than the prompts, an indexer
+    top-k (4) below the compressed entries of most contexts, a hash-routed first layer, a SwiGLU
+    clamp (1.0) that the activations reach, YaRN on the compressed layers' RoPE. transformers'
+    keys (``layer_types``, ``compress_rates``): DeepSeek's ``compress_ratios`` only names 4 and 128."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "partial_rotary_factor": 0.25,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "sliding_window": 8,
+        "layer_types": [V4_SLIDING, V4_CSA, V4_HCA, V4_CSA],
+        "compress_rates": {V4_CSA: 4, V4_HCA: 16},
+        "index_n_heads": 8,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "hc_mult": 2,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "swiglu_limit": 1.0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": 65536,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
+V4_SLIDING, V4_CSA, V4_HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+
+
+def _random_v4_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4 weights under the names transformers' ``save_pretrained`` writes."""
+    g = torch.Generator().manual_seed(seed)
+    h, v, heads, hd = (
+        config[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "head_dim")
+    )
+    q_rank, groups, o_rank = config["q_lora_rank"], config["o_groups"], config["o_lora_rank"]
+    idx, idx_heads, hc = config["index_head_dim"], config["index_n_heads"], config["hc_mult"]
+    experts, inter, top_k = (
+        config[k] for k in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+    )
+
+    def linear(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, generator=g) * inp**-0.5
+
+    def small(*shape: int) -> torch.Tensor:
+        return 0.5 * torch.randn(*shape, generator=g)
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+
+    def compressor(prefix: str, dim: int, ratio: int, overlap: bool) -> dict[str, torch.Tensor]:
+        width = (2 if overlap else 1) * dim
+        return {
+            prefix + "wkv.weight": linear(width, h),
+            prefix + "wgate.weight": linear(width, h),
+            prefix + "ape": small(ratio, width),
+            prefix + "norm.weight": norm(dim),
+        }
+
+    def swiglu(prefix: str, size: int) -> dict[str, torch.Tensor]:
+        return {
+            prefix + "w1.weight": linear(size, h),
+            prefix + "w2.weight": linear(h, size),
+            prefix + "w3.weight": linear(size, h),
+        }
+
+    w = {"model.embed_tokens.weight": torch.randn(v, h, generator=g)}
+    for i, kind in enumerate(config["layer_types"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "attn_norm.weight": norm(h),
+            p + "ffn_norm.weight": norm(h),
+            p + "attn.wq_a.weight": linear(q_rank, h),
+            p + "attn.q_norm.weight": norm(q_rank),
+            p + "attn.wq_b.weight": linear(heads * hd, q_rank),
+            p + "attn.wkv.weight": linear(hd, h),
+            p + "attn.norm.weight": norm(hd),
+            p + "attn.wo_a.weight": linear(groups * o_rank, heads * hd // groups),
+            p + "attn.wo_b.weight": linear(h, groups * o_rank),
+            p + "attn.attn_sink": small(heads),
+        }
+        if kind != V4_SLIDING:
+            ratio = config["compress_rates"][kind]
+            w |= compressor(p + "attn.compressor.", hd, ratio, kind == V4_CSA)
+        if kind == V4_CSA:
+            w |= compressor(p + "attn.indexer.compressor.", idx, ratio, True)
+            w[p + "attn.indexer.wq_b.weight"] = linear(idx_heads * idx, q_rank)
+            w[p + "attn.indexer.weights_proj.weight"] = linear(idx_heads, h)
+        for hc_name in ("hc_attn_", "hc_ffn_"):
+            w[p + hc_name + "fn"] = 0.1 * torch.randn((2 + hc) * hc, hc * h, generator=g)
+            w[p + hc_name + "base"] = small((2 + hc) * hc)
+            w[p + hc_name + "scale"] = 1.0 + 0.2 * torch.randn(3, generator=g)
+        w[p + "ffn.gate.weight"] = linear(experts, h)
+        if config["mlp_layer_types"][i] == "hash_moe":
+            w[p + "ffn.gate.tid2eid"] = torch.stack(
+                [torch.randperm(experts, generator=g)[:top_k] for _ in range(v)]
+            )
+        else:
+            w[p + "ffn.gate.bias"] = 0.1 * torch.rand(experts, generator=g) - 0.05
+        w |= swiglu(p + "ffn.shared_experts.", config["n_shared_experts"] * inter)
+        for e in range(experts):
+            w |= swiglu(f"{p}ffn.experts.{e}.", inter)
+    w |= {
+        "model.hc_head.hc_fn": 0.1 * torch.randn(hc, hc * h, generator=g),
+        "model.hc_head.hc_base": small(hc),
+        "model.hc_head.hc_scale": 1.0 + 0.2 * torch.randn(1, generator=g),
+        "model.norm.weight": norm(h),
+        "head.weight": linear(v, h) * 4.0,  # peaked next-token distributions
+    }
+    return w
+
+
 def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Hugging Face-named float32 weights for ``config`` (DeepSeek-V3 layout), drawn from ``seed``."""
+    """Hugging Face-named float32 weights for ``config`` (DeepSeek-V3 layout; DeepSeek-V4's
+    when ``config`` is V4's), drawn from ``seed``."""
+    if config["model_type"] == "deepseek_v4":
+        return _random_v4_weights(config, seed)
     g = torch.Generator().manual_seed(seed)
     h, v = config["hidden_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
@@ -288,8 +441,9 @@ def init_tiny(
     config: dict | None = None,
     arch: str = "deepseek_v3",
 ) -> Path:
-    """Write the tiny checkpoint of ``arch`` (``deepseek_v3`` or ``deepseek_v32``: with
-    DeepSeek-V3.2's indexer, :data:`TINY_INDEXER`) to ``path`` (a new folder) and return it.
+    """Write the tiny checkpoint of ``arch`` (``deepseek_v3``; ``deepseek_v32``: with
+    DeepSeek-V3.2's indexer, :data:`TINY_INDEXER`; ``deepseek_v4``: see :func:`_tiny_v4_config`)
+    to ``path`` (a new folder) and return it.
 
     ``config`` replaces keys of :func:`tiny_config` (``hidden_size``, ``num_hidden_layers``,
     ``n_routed_experts``, ``kv_lora_rank``, ...) to write a larger DeepSeek-V3-shaped checkpoint;
@@ -312,6 +466,8 @@ def init_tiny(
         raise InputError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
     if shards < 1:
         raise InputError(f"shards={shards} must be >= 1")
+    if fp8 and arch == "deepseek_v4":
+        raise InputError("fp8=True is not available for arch='deepseek_v4'; write it unquantised")
     if path.exists() and not overwrite and any(path.iterdir() if path.is_dir() else [path]):
         raise InputError(f"path={str(path)!r} exists and is not empty (pass overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,8 @@ class MoEConfig:
         num_expert_groups: expert groups (``E`` must be a multiple).
         groups_per_token: at most this many groups are used by one token (group-limited routing).
         routed_scaling_factor: routed weights are multiplied by this after normalisation.
-        scoring: ``"sigmoid"`` (DeepSeek-V3) or ``"softmax"`` (DeepSeek-V2).
+        scoring: ``"sigmoid"`` (DeepSeek-V3), ``"softmax"`` (DeepSeek-V2) or ``"sqrtsoftplus"``
+            (DeepSeek-V4).
         norm_topk_prob: normalise the top-k weights to sum to 1 before scaling (None: as DeepSeek's
             reference gate, with sigmoid scoring only).
         num_attention_heads: MLA heads.
@@ -36,6 +37,8 @@ class MoEConfig:
         rope_scaling: YaRN extension (None: plain RoPE).
         rope_interleave: RoPE pairs are adjacent dims (DeepSeek's layout) rather than halves.
         rms_norm_eps: RMSNorm epsilon.
+        swiglu_limit: DeepSeek-V4's clamp of the experts' SwiGLU: gate <= limit, |up| <= limit
+            (None: no clamp, DeepSeek-V3).
     """
 
     hidden_size: int
@@ -59,6 +62,7 @@ class MoEConfig:
     rope_scaling: Yarn | None = None
     rope_interleave: bool = True
     rms_norm_eps: float = 1e-6
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -104,8 +108,11 @@ class MoEConfig:
                 f"group-limited routing ranks groups by their top-2 scores: each of the "
                 f"num_expert_groups={self.num_expert_groups} groups needs >= 2 experts, has {per_group}"
             )
-        if self.scoring not in ("sigmoid", "softmax"):
-            raise InputError(f"scoring={self.scoring!r} is not allowed; use 'sigmoid' or 'softmax'")
+        if self.scoring not in ("sigmoid", "softmax", "sqrtsoftplus"):
+            raise InputError(
+                f"scoring={self.scoring!r} is not allowed; use 'sigmoid', 'softmax' or "
+                "'sqrtsoftplus'"
+            )
         if not self.routed_scaling_factor > 0:
             raise InputError(f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
 

@@ -26,7 +26,7 @@ from moeinfra.errors import InputError
 from moeinfra.moe.comm import Communicator, Pending
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
-from moeinfra.moe.layers import Expert, MoE, combine_pairs, linear
+from moeinfra.moe.layers import Expert, MoE, combine_pairs, linear, swiglu
 
 
 @dataclass
@@ -204,6 +204,7 @@ class ExpertParallelMoE(nn.Module):
         stacked = self._stacked_weights()
         if stacked is not None:
             w13, w2 = stacked
+            limit = self.config.swiglu_limit
             sorted_rows = rows if by_slot is None else rows[by_slot]
             if _per_slot_gemms(sorted_rows, s):
                 done = torch.empty_like(sorted_rows)
@@ -212,12 +213,12 @@ class ExpertParallelMoE(nn.Module):
                     if count:
                         part = sorted_rows[start : start + count]
                         gate, up = linear(part, w13[slot]).chunk(2, dim=-1)
-                        done[start : start + count] = linear(F.silu(gate) * up, w2[slot])
+                        done[start : start + count] = linear(swiglu(gate, up, limit), w2[slot])
                         start += count
             else:
                 ends = counts.cumsum(0).to(torch.int32)
                 gate, up = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends).chunk(2, -1)
-                done = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+                done = F.grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=ends)
             if by_slot is None:
                 return done
             out = torch.empty_like(rows)

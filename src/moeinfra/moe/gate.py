@@ -8,6 +8,20 @@ from torch import nn
 from moeinfra.errors import InputError
 from moeinfra.moe.config import MoEConfig
 
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
+
+
+def expert_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """``[T, E]`` affinity of each token to each expert: ``sigmoid`` (DeepSeek-V3), ``softmax``
+    (DeepSeek-V2) or ``sqrtsoftplus`` (DeepSeek-V4: ``sqrt(softplus(logits))``)."""
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "softmax":
+        return logits.softmax(dim=-1, dtype=torch.float32).to(logits.dtype)
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    raise InputError(f"scoring={scoring!r} is not allowed; use one of {', '.join(SCORINGS)}")
+
 
 def route(
     logits: torch.Tensor,
@@ -40,12 +54,7 @@ def route(
     num_tokens, num_experts = logits.shape
     if num_experts % num_groups:
         raise InputError(f"num_groups={num_groups} must divide the {num_experts} experts")
-    if scoring == "sigmoid":
-        scores = logits.sigmoid()
-    elif scoring == "softmax":
-        scores = logits.softmax(dim=-1, dtype=torch.float32).to(logits.dtype)
-    else:
-        raise InputError(f"scoring={scoring!r} is not allowed; use 'sigmoid' or 'softmax'")
+    scores = expert_scores(logits, scoring)
     original = scores
     if bias is not None:
         scores = scores + bias

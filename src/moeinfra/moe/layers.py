@@ -51,17 +51,27 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-class Expert(nn.Module):
-    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``; ``[N, H] -> [N, H]``."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` (DeepSeek-V4) gate clamped to ``<= limit`` and up to
+    ``[-limit, limit]`` first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+
+class Expert(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``; ``[N, H] -> [N, H]`` (``limit``: see
+    :func:`swiglu`)."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None) -> None:
         super().__init__()
         self.w1 = Linear(hidden, intermediate)
         self.w2 = Linear(intermediate, hidden)
         self.w3 = Linear(hidden, intermediate)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 def combine_pairs(pair_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,700 @@
+"""DeepSeek-V4 (``model_type: deepseek_v4``): hybrid compressed attention, mHC, hash routing.
+
+Per layer, shared-KV multi-query attention (one ``head_dim`` key that is also the value) over
+
+- a sliding window: the last ``sliding_window`` tokens (every layer);
+- compressed entries (``compress_ratio`` m > 0): one per window of m tokens, a softmax-gated sum of
+  the window's projected keys (CSA, m = 4: over two overlapping windows, and a lightning indexer
+  picks each query's ``index_topk`` entries; HCA, m = 128: all entries visible);
+
+with per-head attention sinks, partial interleaved RoPE on the trailing ``qk_rope_head_dim`` dims
+(undone on the output), and a grouped low-rank output projection. The residual is ``hc_mult``
+streams mixed by manifold-constrained hyper-connections (Sinkhorn-projected); every layer is MoE,
+its first ``num_hash_layers`` routed by a fixed token -> experts table (``tid2eid``).
+
+Cache: everything a later step reads is kept per token in the paged cache (:func:`kv_layout`) —
+the token's window key, its compressor projections (and the indexer's), and at the last token of
+each window the window's compressed entry — so chunked prefill, prefix sharing, preemption and the
+KV hand-off need no per-request state beyond the block table. Blocks must hold whole compression
+windows (``block_size`` a multiple of every ``compress_ratio``).
+
+Checkpoint names: DeepSeek's (``layers.N.attn.wq_a.weight``, ``embed.weight``, ``head.weight``,
+``hc_head_fn``) or transformers' (the same under ``model.``, ``model.embed_tokens.weight``,
+``model.hc_head.hc_fn``); the MTP layers (``mtp.*``) are not loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeinfra.engine.checkpoint import CheckpointReader
+from moeinfra.engine.hf_config import CheckpointError, ModelConfig
+from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache, gather
+from moeinfra.eplb import Plan
+from moeinfra.moe.comm import Communicator
+from moeinfra.moe.config import MoEConfig
+from moeinfra.moe.expert_parallel import ExpertParallelMoE, rank_experts
+from moeinfra.moe.gate import expert_scores
+from moeinfra.moe.layers import Expert, Linear, RMSNorm
+from moeinfra.moe.mla import Segment
+from moeinfra.moe.rope import RotaryTable, Yarn, inverse_frequencies, rotate_cis
+from moeinfra.moe.runtime import ExpertParallelDecoder
+
+MODEL_TYPE = "deepseek_v4"
+
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
+# compress_ratios (DeepSeek's config) -> layer kind, as transformers reads them
+_KIND_OF_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
+
+# cache parts per token per layer (widths in :func:`kv_layout`)
+WINDOW_KV, COMP_KV, COMP_GATE, ENTRY = "kv", "comp_kv", "comp_gate", "entry"
+INDEX_KV, INDEX_GATE, INDEX_ENTRY = "index_kv", "index_gate", "index_entry"
+
+
+@dataclass(frozen=True)
+class V4Attention:
+    """DeepSeek-V4's attention and residual-stream knobs (``config.json``)."""
+
+    head_dim: int
+    rope_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_kinds: tuple[str, ...]
+    compress_ratios: tuple[int, ...]  # per layer, 0 for a sliding-only layer
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: Yarn | None
+    hash_layers: tuple[bool, ...]
+
+    @property
+    def has_csa(self) -> bool:
+        return CSA in self.layer_kinds
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        """The distinct compression ratios in use."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
+
+
+def _positive(raw: dict, key: str, source: str) -> int:
+    if key not in raw:
+        raise CheckpointError(f"{source}: required key {key!r} is missing")
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"{source}: {key}={value!r} must be an integer > 0")
+    return value
+
+
+def _layer_kinds(raw: dict, n: int, source: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Per layer ``(kind, ratio)`` from transformers' ``layer_types`` + ``compress_rates`` or
+    DeepSeek's ``compress_ratios``."""
+    if raw.get("layer_types") is not None:
+        kinds = tuple(raw["layer_types"])[:n]
+        rates = {CSA: 4, HCA: 128} | dict(raw.get("compress_rates") or {})
+        for kind in kinds:
+            if kind not in (SLIDING, CSA, HCA):
+                raise CheckpointError(
+                    f"{source}: layer_types entry {kind!r} is not one of {SLIDING}, {CSA}, {HCA}"
+                )
+        for kind in (CSA, HCA):
+            rate = rates[kind]
+            if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+                raise CheckpointError(f"{source}: compress_rates[{kind!r}]={rate!r} must be >= 1")
+        ratios = tuple(0 if k == SLIDING else rates[k] for k in kinds)
+    elif raw.get("compress_ratios") is not None:
+        ratios = tuple(raw["compress_ratios"])[:n]
+        for r in ratios:
+            if r not in _KIND_OF_RATIO:
+                raise CheckpointError(
+                    f"{source}: compress_ratios value {r!r} is not one of "
+                    f"{sorted(_KIND_OF_RATIO)} (0: sliding window only, 4: CSA, 128: HCA)"
+                )
+        kinds = tuple(_KIND_OF_RATIO[r] for r in ratios)
+    else:
+        raise CheckpointError(
+            f"{source}: required key 'layer_types' (or 'compress_ratios') is missing"
+        )
+    if len(kinds) != n:
+        raise CheckpointError(
+            f"{source}: {len(kinds)} layer types for num_hidden_layers={n}; give one per layer"
+        )
+    return kinds, ratios
+
+
+def _rope(raw: dict, source: str) -> tuple[float, float, Yarn | None]:
+    """``(rope_theta, compress_rope_theta, yarn of the compressed layers)``."""
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict):
+        main, compress = params["main"], params["compress"]
+        theta, compress_theta = float(main["rope_theta"]), float(compress["rope_theta"])
+        scaling = compress
+    else:
+        theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+        compress_theta = float(raw.get("compress_rope_theta", 160000.0))
+        scaling = raw.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, compress_theta, None
+    if kind != "yarn":
+        raise CheckpointError(f"{source}: rope type {kind!r} is not supported; use 'yarn' or none")
+    # V4 does not scale cos/sin by YaRN's attention factor (transformers forces it to 1)
+    return theta, compress_theta, dataclasses.replace(Yarn.from_hf(scaling), mscale=0.0)
+
+
+def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
+    """A :class:`ModelConfig` whose ``block`` holds V4's MoE sizes and ``v4`` its attention."""
+    try:
+        n = _positive(raw, "num_hidden_layers", source)
+        head_dim = _positive(raw, "head_dim", source)
+        rope_dim = raw.get("qk_rope_head_dim")
+        if rope_dim is None:
+            rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
+        window = raw.get("sliding_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise CheckpointError(f"{source}: sliding_window={window!r} must be an integer >= 1")
+        kinds, ratios = _layer_kinds(raw, n, source)
+        if raw.get("mlp_layer_types") is not None:
+            hashed = tuple(t == "hash_moe" for t in raw["mlp_layer_types"][:n])
+        else:
+            hashed = tuple(i < int(raw.get("num_hash_layers", 3)) for i in range(n))
+        theta, compress_theta, yarn = _rope(raw, source)
+        heads = _positive(raw, "num_attention_heads", source)
+        groups = _positive(raw, "o_groups", source)
+        if heads % groups:
+            raise CheckpointError(
+                f"{source}: o_groups={groups} must divide num_attention_heads={heads}"
+            )
+        v4 = V4Attention(
+            head_dim=head_dim,
+            rope_dim=int(rope_dim),
+            o_groups=groups,
+            o_lora_rank=_positive(raw, "o_lora_rank", source),
+            sliding_window=window,
+            layer_kinds=kinds,
+            compress_ratios=ratios,
+            index_heads=_positive(raw, "index_n_heads", source),
+            index_head_dim=_positive(raw, "index_head_dim", source),
+            index_topk=_positive(raw, "index_topk", source),
+            hc_mult=_positive(raw, "hc_mult", source),
+            hc_sinkhorn_iters=_positive(raw, "hc_sinkhorn_iters", source),
+            hc_eps=float(raw.get("hc_eps", 1e-6)),
+            rope_theta=theta,
+            compress_rope_theta=compress_theta,
+            yarn=yarn,
+            hash_layers=hashed,
+        )
+        block = MoEConfig(
+            hidden_size=int(raw["hidden_size"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            num_routed_experts=int(raw["n_routed_experts"]),
+            num_shared_experts=int(raw.get("n_shared_experts") or 0),
+            experts_per_token=int(raw["num_experts_per_tok"]),
+            num_expert_groups=1,
+            groups_per_token=1,
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            scoring=raw.get("scoring_func", "sqrtsoftplus"),
+            norm_topk_prob=True,
+            num_attention_heads=heads,
+            q_lora_rank=_positive(raw, "q_lora_rank", source),
+            num_layers=n,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            swiglu_limit=raw.get("swiglu_limit"),
+        )
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        config = ModelConfig(
+            model_type=raw["model_type"],
+            block=block,
+            vocab_size=int(raw["vocab_size"]),
+            num_layers=n,
+            first_k_dense_replace=0,
+            intermediate_size=block.moe_intermediate_size,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
+            quantization=raw.get("quantization_config"),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            v4=v4,
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: required key {exc.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{source}: {exc}") from None
+    return config
+
+
+def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
+    """Per token and layer: the window key (``head_dim``); with compressed layers the compressor's
+    key and gate projections (``2 * head_dim`` each with CSA's overlap, else ``head_dim``) and the
+    compressed entry (``head_dim``, used at each window's last token); with CSA the indexer's
+    projections (``2 * index_head_dim`` each) and its compressed key. Every layer gets the widest
+    layer's parts."""
+    v4 = config.v4
+    parts = [(WINDOW_KV, v4.head_dim)]
+    if v4.ratios:
+        width = (2 if v4.has_csa else 1) * v4.head_dim
+        parts += [(COMP_KV, width), (COMP_GATE, width), (ENTRY, v4.head_dim)]
+    if v4.has_csa:
+        idx = v4.index_head_dim
+        parts += [(INDEX_KV, 2 * idx), (INDEX_GATE, 2 * idx), (INDEX_ENTRY, idx)]
+    return KVLayout(tuple(parts), config.num_layers, dtype)
+
+
+def check_block_size(config: ModelConfig, block_size: int) -> None:
+    """Blocks hold whole compression windows, so a shared prefix ends on a window boundary."""
+    for ratio in config.v4.ratios:
+        if block_size % ratio:
+            raise CheckpointError(
+                f"block_size={block_size} must be a multiple of every compress ratio "
+                f"{list(config.v4.ratios)} (DeepSeek-V4 blocks hold whole compression windows)"
+            )
+
+
+# ---------------------------------------------------------------------------------------- modules
+def _head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dim without a weight (V4's per-head query norm and mHC input)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Rope:
+    """Partial interleaved RoPE on the trailing ``dim`` values of a vector."""
+
+    def __init__(self, dim: int, theta: float, yarn: Yarn | None) -> None:
+        self.dim = dim
+        self.table = RotaryTable(inverse_frequencies(dim, theta, yarn))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
+        """``x [T, ..., D]`` rotated at ``positions [T]`` (``inverse``: by minus the angle)."""
+        cis = self.table.cis(positions)
+        if inverse:
+            cis = cis.conj()
+        rotated = rotate_cis(x[..., -self.dim :], cis)
+        return torch.cat([x[..., : -self.dim], rotated], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Compresses each window of ``ratio`` tokens into one ``dim`` entry: softmax over the window
+    (per channel) of the projected gate plus a learned position bias, weighting the projected keys;
+    with ``overlap`` (CSA) over ``2 * ratio`` slots, the previous window's first-half projections
+    beside this window's second half."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = (2 if overlap else 1) * dim
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.wkv = Linear(hidden, width)
+        self.wgate = Linear(hidden, width)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(dim, eps)
+
+    def entries(self, kv: torch.Tensor, gate: torch.Tensor, first: int) -> torch.Tensor:
+        """Entries of windows ``first .. first + n - 1`` from the projections of their tokens,
+        ``kv, gate [(n + o) * ratio, width]`` starting at window ``first - o`` (``o = 1`` with
+        overlap when ``first > 0``, else 0) -> ``[n, dim]`` (not yet rotated)."""
+        m, d = self.ratio, self.dim
+        kv = kv.view(-1, m, kv.shape[-1])
+        gate = gate.view(-1, m, gate.shape[-1]).float() + self.ape.float()
+        if not self.overlap:
+            weights = gate.softmax(dim=1).to(kv.dtype)
+            return self.norm((kv * weights).sum(dim=1))
+        prior = 1 if first > 0 else 0
+        n = kv.shape[0] - prior
+        slots_kv = kv.new_zeros(n, 2 * m, d)
+        slots_gate = gate.new_full((n, 2 * m, d), float("-inf"))
+        slots_kv[:, m:], slots_gate[:, m:] = kv[prior:, :, d:], gate[prior:, :, d:]
+        # window w's first half: window w - 1's first-half projections (none before window 0)
+        slots_kv[1 - prior :, :m] = kv[: n - 1 + prior, :, :d]
+        slots_gate[1 - prior :, :m] = gate[: n - 1 + prior, :, :d]
+        weights = slots_gate.softmax(dim=1).to(kv.dtype)
+        return self.norm((slots_kv * weights).sum(dim=1))
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: its own compressor at ``index_head_dim`` and
+    ``sum_h w_h ReLU(q_h . k) / sqrt(index_head_dim)`` scores over the compressed keys."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, v4: V4Attention, ratio: int, eps: float):
+        super().__init__()
+        self.heads, self.dim = v4.index_heads, v4.index_head_dim
+        self.compressor = Compressor(hidden, self.dim, ratio, True, eps)
+        self.wq_b = Linear(q_lora_rank, self.heads * self.dim)
+        self.weights_proj = Linear(hidden, self.heads)
+
+    def scores(self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, rope, pos):
+        """``[L, T]`` float32 scores of ``L`` queries over ``T`` compressed keys."""
+        q = rope(self.wq_b(q_residual).view(-1, self.heads, self.dim), pos).float()
+        s = F.relu(torch.einsum("lhd,td->lht", q, keys.float())) * self.dim**-0.5
+        w = self.weights_proj(x).float() * self.heads**-0.5
+        return (s * w[..., None]).sum(dim=1)
+
+
+class V4AttentionLayer(nn.Module):
+    """One layer's attention (window + its compressed entries), reading and writing the paged
+    cache; ``forward(x [T, H], segments, cache) -> [T, H]``."""
+
+    def __init__(self, block: MoEConfig, v4: V4Attention, layer: int, ropes: dict) -> None:
+        super().__init__()
+        h, hd, heads = block.hidden_size, v4.head_dim, block.num_attention_heads
+        self.v4, self.heads, self.head_dim, self.eps = v4, heads, hd, block.rms_norm_eps
+        self.kind, self.ratio = v4.layer_kinds[layer], v4.compress_ratios[layer]
+        self.wq_a = Linear(h, block.q_lora_rank)
+        self.q_norm = RMSNorm(block.q_lora_rank, block.rms_norm_eps)
+        self.wq_b = Linear(block.q_lora_rank, heads * hd)
+        self.wkv = Linear(h, hd)
+        self.norm = RMSNorm(hd, block.rms_norm_eps)
+        self.wo_a = Linear(heads * hd // v4.o_groups, v4.o_groups * v4.o_lora_rank)
+        self.wo_b = Linear(v4.o_groups * v4.o_lora_rank, h)
+        self.attn_sink = nn.Parameter(torch.zeros(heads))
+        self.compressor = (
+            Compressor(h, hd, self.ratio, self.kind == CSA, block.rms_norm_eps)
+            if self.ratio
+            else None
+        )
+        self.indexer = (
+            Indexer(h, block.q_lora_rank, v4, self.ratio, block.rms_norm_eps)
+            if self.kind == CSA
+            else None
+        )
+        self.rope = ropes["main" if self.kind == SLIDING else "compress"]
+        self.compress_rope = ropes["compress"]
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache) -> torch.Tensor:
+        q_residual = self.q_norm(self.wq_a(x))
+        q = _head_rms(self.wq_b(q_residual).view(-1, self.heads, self.head_dim), self.eps)
+        out = torch.empty_like(q)
+        row = 0
+        for s in segments:
+            rows = slice(row, row + s.length)
+            pos = torch.arange(s.start, s.start + s.length, device=x.device)
+            out[rows] = self._segment(x[rows], q[rows], q_residual[rows], pos, s, cache)
+            row += s.length
+        g = self.v4.o_groups
+        grouped = out.reshape(-1, g, self.heads * self.head_dim // g)
+        w = self.wo_a.weight.view(g, -1, grouped.shape[-1])
+        mixed = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)
+        return self.wo_b(mixed)
+
+    def _segment(self, x, q, q_residual, pos, s: Segment, cache: LayerCache) -> torch.Tensor:
+        slots = cache.step.slots[s.seq]
+        end = s.start + s.length
+        here = slots[s.start : end]
+        q = self.rope(q, pos)
+        cache.part(WINDOW_KV)[here] = self.rope(self.norm(self.wkv(x)), pos)
+        first = max(0, s.start - self.v4.sliding_window + 1)
+        keys = gather(cache.part(WINDOW_KV), slots[first:end])
+        key_pos = torch.arange(first, end, device=x.device)
+        visible = (key_pos[None, :] <= pos[:, None]) & (
+            key_pos[None, :] > pos[:, None] - self.v4.sliding_window
+        )
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(x, q_residual, pos, s, slots, cache)
+            keys = torch.cat([keys, entries])
+            visible = torch.cat([visible, entry_visible], dim=1)
+        logits = torch.einsum("lhd,kd->lhk", q.float(), keys.float()) * self.head_dim**-0.5
+        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = torch.einsum("lhk,kd->lhd", probs, keys.float()).to(q.dtype)
+        return self.rope(out, pos, inverse=True)
+
+    def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache):
+        """This segment's new compressed entries written at their windows' last tokens; ->
+        ``(entries [E, hd], visible [L, E])`` of every entry up to the segment's end."""
+        m, end = self.ratio, s.start + s.length
+        here = slots[s.start : end]
+        comp = self.compressor
+        cache.part(COMP_KV)[here, : comp.wkv.out_features] = comp.wkv(x)
+        cache.part(COMP_GATE)[here, : comp.wgate.out_features] = comp.wgate(x)
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            cache.part(INDEX_KV)[here] = ic.wkv(x)
+            cache.part(INDEX_GATE)[here] = ic.wgate(x)
+        lo, hi = (s.start + m) // m - 1, end // m  # windows completing here: lo .. hi - 1
+        if hi > lo:
+            self._write_entries(comp, COMP_KV, COMP_GATE, ENTRY, lo, hi, slots, cache)
+            if self.indexer is not None:
+                ic = self.indexer.compressor
+                self._write_entries(ic, INDEX_KV, INDEX_GATE, INDEX_ENTRY, lo, hi, slots, cache)
+        ends = slots[torch.arange(1, hi + 1, device=x.device) * m - 1]
+        entries = gather(cache.part(ENTRY), ends)
+        visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
+        if self.indexer is not None and hi:
+            keys = gather(cache.part(INDEX_ENTRY), ends)
+            scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            chosen = scores.topk(min(self.v4.index_topk, hi), dim=-1).indices
+            picked = torch.zeros_like(visible)
+            picked.scatter_(1, chosen, True)
+            visible = visible & picked
+        return entries, visible
+
+    def _write_entries(
+        self, comp: Compressor, kv_part, gate_part, entry_part, lo, hi, slots, cache
+    ):
+        """Compress windows ``lo .. hi - 1`` from the cached projections of their tokens."""
+        m, width = comp.ratio, comp.wkv.out_features
+        prior = 1 if comp.overlap and lo > 0 else 0
+        tokens = slots[(lo - prior) * m : hi * m]
+        kv = gather(cache.part(kv_part), tokens)[:, :width]
+        gate = gather(cache.part(gate_part), tokens)[:, :width]
+        entries = comp.entries(kv, gate, lo)
+        at = torch.arange(lo, hi, device=kv.device)
+        rotated = self.compress_rope(entries, at * m)
+        cache.part(entry_part)[slots[(at + 1) * m - 1], : comp.dim] = rotated
+
+
+class HyperConnection(nn.Module):
+    """mHC: from ``hc`` residual streams, the weights that collapse them into a block's input
+    (``pre``), expand its output (``post``) and mix the streams (``comb``, Sinkhorn-projected to a
+    doubly stochastic matrix)."""
+
+    def __init__(self, hidden: int, v4: V4Attention, eps: float) -> None:
+        super().__init__()
+        hc = v4.hc_mult
+        self.hc, self.iters, self.hc_eps, self.eps = hc, v4.hc_sinkhorn_iters, v4.hc_eps, eps
+        self.fn = nn.Parameter(torch.zeros((2 + hc) * hc, hc * hidden))
+        self.base = nn.Parameter(torch.zeros((2 + hc) * hc))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor):
+        """``streams [T, hc, H]`` -> ``(post [T, hc], comb [T, hc, hc], collapsed [T, H])``."""
+        hc = self.hc
+        flat = _head_rms(streams.flatten(1).float(), self.eps) @ self.fn.float().t()
+        pre_w, post_w, comb_w = flat.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([hc, hc, hc * hc])
+        scale = self.scale.float()
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = (comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)).softmax(-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def _expand(streams: torch.Tensor, post, comb, out: torch.Tensor) -> torch.Tensor:
+    """Streams after a block: ``post`` spreads its output, ``comb^T`` mixes the streams."""
+    dtype = streams.dtype
+    return (
+        post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dtype).transpose(-1, -2) @ streams
+    )
+
+
+class Router(nn.Module):
+    """V4's gate: top-k of ``score(logits) + bias`` (or, with a ``tid2eid`` table, the token's
+    fixed experts), weights the chosen scores normalised and scaled."""
+
+    def __init__(self, block: MoEConfig, hashed: bool, vocab_size: int) -> None:
+        super().__init__()
+        self.block = block
+        self.weight = nn.Parameter(torch.zeros(block.num_routed_experts, block.hidden_size))
+        self.register_buffer("bias", torch.zeros(block.num_routed_experts))
+        self.tid2eid = (
+            nn.Buffer(torch.zeros(vocab_size, block.experts_per_token, dtype=torch.int64))
+            if hashed
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor):
+        """``x [T, H]``, ``token_ids [T]`` -> ``(weights [T, k] float32, indices [T, k])``."""
+        scores = expert_scores(x.float() @ self.weight.float().t(), self.block.scoring)
+        if self.tid2eid is not None:
+            indices = self.tid2eid[token_ids]
+        else:
+            k = self.block.experts_per_token
+            indices = torch.topk(scores + self.bias.float(), k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.block.routed_scaling_factor, indices
+
+
+class V4Layer(nn.Module):
+    """Attention and MoE, each between mHC collapse and expand."""
+
+    def __init__(self, config: ModelConfig, layer: int, moe: ExpertParallelMoE, ropes) -> None:
+        super().__init__()
+        block, v4 = config.block, config.v4
+        self.attn_norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
+        self.attn = V4AttentionLayer(block, v4, layer, ropes)
+        self.ffn_norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
+        self.hc_attn = HyperConnection(block.hidden_size, v4, block.rms_norm_eps)
+        self.hc_ffn = HyperConnection(block.hidden_size, v4, block.rms_norm_eps)
+        self.gate = moe.gate
+        self.moe = moe
+
+    def forward(self, streams, token_ids, segments, cache: LayerCache) -> torch.Tensor:
+        post, comb, collapsed = self.hc_attn(streams)
+        streams = _expand(
+            streams, post, comb, self.attn(self.attn_norm(collapsed), segments, cache)
+        )
+        post, comb, collapsed = self.hc_ffn(streams)
+        xn = self.ffn_norm(collapsed)
+        weights, indices = self.gate(xn, token_ids)
+        out = self.moe.routed_output(xn, weights, indices) + self.moe.shared_output(xn)
+        return _expand(streams, post, comb, out)
+
+
+class HyperHead(nn.Module):
+    """Collapses the streams after the last layer (sigmoid weights, no mixing)."""
+
+    def __init__(self, hidden: int, v4: V4Attention, eps: float) -> None:
+        super().__init__()
+        self.hc_fn = nn.Parameter(torch.zeros(v4.hc_mult, v4.hc_mult * hidden))
+        self.hc_base = nn.Parameter(torch.zeros(v4.hc_mult))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+        self.hc_eps, self.eps = v4.hc_eps, eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = _head_rms(streams.flatten(1).float(), self.eps) @ self.hc_fn.float().t()
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class DeepseekV4(nn.Module):
+    """This rank's DeepSeek-V4: every dense weight, and the routed experts of its EP slots."""
+
+    def __init__(self, config: ModelConfig, plan: Plan, comm: Communicator, experts) -> None:
+        super().__init__()
+        block, v4 = config.block, config.v4
+        self.config, self.plan = config, plan
+        ropes = {
+            "main": Rope(v4.rope_dim, v4.rope_theta, None),
+            "compress": Rope(v4.rope_dim, v4.compress_rope_theta, v4.yarn),
+        }
+        self.embed = nn.Embedding(config.vocab_size, block.hidden_size)
+        self.layers = nn.ModuleList(
+            V4Layer(config, i, experts[i], ropes) for i in range(config.num_layers)
+        )
+        self.moe = experts
+        self.decoder = ExpertParallelDecoder.from_layers(self.layers, self.moe, comm)
+        self.hc_head = HyperHead(block.hidden_size, v4, block.rms_norm_eps)
+        self.norm = RMSNorm(block.hidden_size, block.rms_norm_eps)
+        self.head = Linear(block.hidden_size, config.vocab_size)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, segments: list[Segment], cache: StepCache, overlap: str
+    ) -> torch.Tensor:
+        """``input_ids [T]`` laid out as ``segments`` -> final hidden states ``[T, H]`` (normed).
+        ``overlap`` is accepted for the engine's interface; V4 layers run one after another."""
+        x = self.embed(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, input_ids, segments, cache.layer(i))
+        return self.norm(self.hc_head(streams))
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _resolve(reader: CheckpointReader, name: str) -> str:
+    """``name`` in transformers' layout, or DeepSeek's own name of the same tensor."""
+    if name in reader:
+        return name
+    native = name.removeprefix("model.")
+    native = {
+        "embed_tokens.weight": "embed.weight",
+        "hc_head.hc_fn": "hc_head_fn",
+        "hc_head.hc_base": "hc_head_base",
+        "hc_head.hc_scale": "hc_head_scale",
+    }.get(native, native)
+    return native if native in reader else name
+
+
+def _load(module: nn.Module, reader: CheckpointReader, prefix: str, skip=()) -> None:
+    """Every parameter and buffer of ``module`` from ``prefix + its name`` (mHC weights are
+    ``hc_attn_fn``, not ``hc_attn.fn``), in the dtype it has."""
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    for name, target in tensors.items():
+        if name.split(".")[0] in skip:
+            continue
+        stored = name.replace("hc_attn.", "hc_attn_").replace("hc_ffn.", "hc_ffn_")
+        key = _resolve(reader, prefix + stored)
+        with torch.no_grad():
+            value = reader.get(key, tuple(target.shape), target.dtype)
+            target.copy_(value)
+
+
+def _experts(reader, config: ModelConfig, plan: Plan, layer: int, comm, dtype):
+    block, prefix = config.block, f"model.layers.{layer}.ffn."
+    limit = block.swiglu_limit
+    router = Router(block, config.v4.hash_layers[layer], config.vocab_size)
+    if router.tid2eid is not None and _resolve(reader, prefix + "gate.tid2eid") not in reader:
+        raise CheckpointError(
+            f"{reader.model_dir}: layer {layer} routes by hash (mlp_layer_types / "
+            f"num_hash_layers) but tensor {prefix}gate.tid2eid is missing"
+        )
+    _load(router, reader, prefix + "gate.", skip=() if router.tid2eid is None else ("bias",))
+
+    def expert(name: str, size: int) -> Expert:
+        module = Expert(block.hidden_size, size, limit).to(dtype)
+        _load(module, reader, prefix + name)
+        return module
+
+    shared = None
+    if block.num_shared_experts:
+        shared = expert("shared_experts.", block.num_shared_experts * block.moe_intermediate_size)
+    experts = {
+        e: expert(f"experts.{e}.", block.moe_intermediate_size)
+        for e in rank_experts(plan, layer, comm.rank)
+    }
+    return ExpertParallelMoE.from_experts(block, router, shared, experts, plan, layer, comm)
+
+
+def load(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    plan: Plan,
+    comm: Communicator,
+    dtype: torch.dtype = torch.float32,
+    keep_fp8: bool = False,
+) -> DeepseekV4:
+    """Build this rank's model from ``reader`` (FP8 weights dequantised to ``dtype``)."""
+    if plan.num_layers != config.num_layers:
+        raise ValueError(f"plan has {plan.num_layers} layers, the model has {config.num_layers}")
+    experts = nn.ModuleList(
+        _experts(reader, config, plan, i, comm, dtype) for i in range(config.num_layers)
+    )
+    model = DeepseekV4(config, plan, comm, experts)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        # sinks, position biases, mHC and router weights stay float32, as DeepSeek keeps them
+        kept = any(part in name for part in _FLOAT32_PARTS) or ".gate." in name
+        if tensor.is_floating_point() and not kept:
+            tensor.data = tensor.data.to(dtype)
+    for i, layer in enumerate(model.layers):
+        _load(layer, reader, f"model.layers.{i}.", skip=("gate", "moe"))
+    _load(model.embed, reader, "model.embed_tokens.")
+    _load(model.hc_head, reader, "model.hc_head.")
+    _load(model.norm, reader, "model.norm.")
+    _load(model.head, reader, "head.")
+    return model
+
+
+_FLOAT32_PARTS = ("attn_sink", ".ape", "hc_attn", "hc_ffn", "hc_head")
+
+
+__all__ = ["MODEL_TYPE", "DeepseekV4", "V4Attention", "kv_layout", "load", "parse_config"]

@@ -1,0 +1,269 @@
+"""DeepSeek-V4 (sliding-window + compressed attention, mHC, hash routing) against
+``transformers``' DeepseekV4ForCausalLM on a tiny checkpoint with every layer kind, prompts longer
+than the window (8) and several compression windows (4, 16), an indexer top-k (4) below the
+compressed entries of most contexts and a SwiGLU clamp the activations reach: logits within 1e-4,
+greedy generation token for token on 1 and 2 ranks with chunked prefill, prefix sharing and
+preemption — and checks that the indexer's choice and the clamp change the reference's output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeinfra.engine import LLM, SamplingParams
+from moeinfra.engine.hf_config import CheckpointError, read_config
+from moeinfra.engine.kv_cache import PagedKVCache, StepCache
+from moeinfra.engine.tiny import init_tiny
+from moeinfra.moe.mla import Segment
+
+from .conftest import PROMPTS, one_rank_model
+
+MAX_TOKENS = 16
+# longer than the window and several compression windows; pairs share a 2-block prefix
+V4_PROMPTS = [
+    " ".join(PROMPTS[i : i + 4]) + suffix
+    for i in range(0, len(PROMPTS), 2)
+    for suffix in (" one", " and then another")
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+LOGIT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    return init_tiny(tmp_path_factory.mktemp("ckpt") / "v4", tokenizer="bpe", arch="deepseek_v4")
+
+
+@pytest.fixture(scope="module")
+def hf_v4(v4_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(v4_path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def v4_prompts(v4_path):
+    from moeinfra.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(v4_path)
+    return [tok.encode(p) for p in V4_PROMPTS]
+
+
+def _generate(hf_model, prompts):
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def v4_reference(hf_v4, v4_prompts):
+    return _generate(hf_v4, v4_prompts)
+
+
+def test_prompts_exercise_window_compression_and_sparse_choice(v4_path, v4_prompts):
+    raw = read_config(v4_path)
+    csa, hca = raw["compress_rates"].values()
+    lengths = [len(ids) for ids in v4_prompts]
+    assert min(lengths) > raw["sliding_window"]
+    assert sum(n > 2 * hca for n in lengths) >= len(lengths) // 2
+    # most contexts have more compressed CSA entries than the indexer keeps
+    assert sum((n + MAX_TOKENS) // csa > raw["index_topk"] for n in lengths) >= 0.8 * len(lengths)
+
+
+def test_logits_match_transformers_over_chunks_and_decode(v4_path, hf_v4):
+    arch, config, model = one_rank_model(v4_path)
+    ids = [(7 * i) % 1000 + 3 for i in range(70)]
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    step = StepCache(cache, {0: StepCache.slots_of([5, 2, 7, 0, 3], 16)})
+    parts = [model(torch.tensor(ids[:5]), [Segment(0, 0, 5)], step, "none")]
+    parts.append(model(torch.tensor(ids[5:50]), [Segment(0, 5, 45)], step, "none"))
+    for i in range(50, 70):
+        parts.append(model(torch.tensor([ids[i]]), [Segment(0, i, 1)], step, "none"))
+    ours = model.logits(torch.cat(parts))
+    with torch.no_grad():
+        ref = hf_v4(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() < LOGIT_TOL
+    assert ref.abs().max() > 5
+
+
+def test_batched_segments_match_one_at_a_time(v4_path):
+    """Two sequences in one step (a prefill chunk beside a decode token) read only their own
+    cache slots."""
+    arch, config, model = one_rank_model(v4_path)
+    a, b = list(range(3, 43)), list(range(500, 540))
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    slots = {0: StepCache.slots_of([0, 1, 2], 16), 1: StepCache.slots_of([7, 6, 5], 16)}
+    step = StepCache(cache, slots)
+    model(torch.tensor(a[:39]), [Segment(0, 0, 39)], step, "none")
+    model(torch.tensor(b[:20]), [Segment(1, 0, 20)], step, "none")
+    both = model(
+        torch.tensor([a[39], *b[20:40]]), [Segment(0, 39, 1), Segment(1, 20, 20)], step, "none"
+    )
+    alone = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    ref = model(torch.tensor(b), [Segment(1, 0, 40)], StepCache(alone, slots), "none")
+    assert (model.logits(both[1:]) - model.logits(ref[20:])).abs().max() < LOGIT_TOL
+
+
+def _set_reference(hf_model, topk=None, limit=None):
+    for layer in hf_model.model.layers:
+        compressor = layer.self_attn.compressor
+        if topk is not None and hasattr(compressor, "indexer"):
+            compressor.indexer.index_topk = topk
+        if limit is not None:
+            layer.mlp.experts.limit = layer.mlp.shared_experts.limit = limit
+
+
+def test_the_indexer_choice_and_the_swiglu_clamp_change_the_answer(
+    hf_v4, v4_path, v4_prompts, v4_reference
+):
+    raw = read_config(v4_path)
+    try:
+        _set_reference(hf_v4, topk=10**6)
+        all_entries = _generate(hf_v4, v4_prompts)
+        _set_reference(hf_v4, topk=raw["index_topk"], limit=1e9)
+        unclamped = _generate(hf_v4, v4_prompts)
+    finally:
+        _set_reference(hf_v4, topk=raw["index_topk"], limit=raw["swiglu_limit"])
+    assert all_entries != v4_reference
+    assert unclamped != v4_reference
+
+
+def _check(outputs, reference, prompts):
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    for o, ref in zip(outputs, reference, strict=True):
+        assert o.outputs[0].token_ids == ref, o.prompt
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 24, "block_size": 16, "num_kv_blocks": 12, "max_num_seqs": 8},
+    ],
+    ids=["plain", "chunked-prefix-preempt"],
+)
+def test_one_rank_greedy_equals_transformers(v4_path, v4_prompts, v4_reference, options):
+    llm = LLM(v4_path, **options)
+    outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
+    _check(outputs, v4_reference, v4_prompts)
+    if "num_kv_blocks" in options:
+        assert llm._core.scheduler.num_preemptions > 0
+        assert any(o.num_cached_tokens > 0 for o in outputs)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_greedy_equals_transformers(v4_path, v4_prompts, v4_reference):
+    options = {"redundant_experts": 2, "max_num_batched_tokens": 32, "block_size": 16}
+    with LLM(v4_path, ranks=2, timeout_s=240, **options) as llm:
+        outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
+    _check(outputs, v4_reference, v4_prompts)
+
+
+def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
+    """DeepSeek's release names (``layers.N.attn.*``, ``embed.weight``, ``hc_head_fn``) read as
+    transformers' (``model.layers.N.attn.*``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    native = tmp_path / "native"
+    shutil.copytree(v4_path, native)
+    tensors = {}
+    for shard in sorted(native.glob("*.safetensors")):
+        tensors |= load_file(shard)
+        shard.unlink()
+    (native / "model.safetensors.index.json").unlink()
+    renamed = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+        renamed[name.replace("hc_head.hc_", "hc_head_")] = t
+    save_file(renamed, native / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.arange(3, 40)
+    outs = []
+    for path in (v4_path, native):
+        arch, config, model = one_rank_model(path)
+        cache = PagedKVCache(arch.kv_layout(config, torch.float32), 4, 16)
+        step = StepCache(cache, {0: StepCache.slots_of([0, 1, 2], 16)})
+        outs.append(model.logits(model(ids, [Segment(0, 0, len(ids))], step, "none")))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_cache_bytes_follow_the_layout_formula(v4_path):
+    arch, config, _ = one_rank_model(v4_path)
+    layout = arch.kv_layout(config, torch.float32)
+    v4 = config.v4
+    # window key + CSA's compressor key and gate (2 x head_dim each) + entry, and the indexer's
+    per_layer = v4.head_dim * (1 + 2 + 2 + 1) + v4.index_head_dim * (2 + 2 + 1)
+    assert layout.values_per_token == per_layer
+    assert layout.bytes_per_token == per_layer * config.num_layers * 4
+    cache = PagedKVCache(layout, num_blocks=3, block_size=16)
+    assert cache.nbytes == layout.bytes_per_token * 3 * 16
+
+
+def _write_config(path, **changes):
+    raw = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key)
+        else:
+            raw[key] = value
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.fixture
+def bad_path(tmp_path):
+    return init_tiny(tmp_path / "bad", tokenizer="bpe", arch="deepseek_v4", shards=1)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"layer_types": None, "compress_rates": None, "compress_ratios": [0, 4, 64, 4]},
+            "compress_ratios value 64 is not one of [0, 4, 128]",
+        ),
+        ({"sliding_window": 0}, "sliding_window=0 must be an integer >= 1"),
+        ({"layer_types": ["sliding_attention"] * 3}, "3 layer types for num_hidden_layers=4"),
+        ({"index_topk": None}, "required key 'index_topk' is missing"),
+        ({"o_groups": 3}, "o_groups=3 must divide num_attention_heads=4"),
+    ],
+)
+def test_bad_config_is_one_line_naming_file_and_field(bad_path, changes, message):
+    _write_config(bad_path, **changes)
+    with pytest.raises(CheckpointError) as err:
+        LLM(bad_path)
+    assert message in str(err.value)
+    assert "config.json" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_hash_table_and_bad_block_size_are_one_line(bad_path):
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(CheckpointError, match="block_size=8 must be a multiple of every"):
+        LLM(bad_path, block_size=8)
+    tensors = load_file(bad_path / "model.safetensors")
+    del tensors["model.layers.0.ffn.gate.tid2eid"]
+    save_file(tensors, bad_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        LLM(bad_path)
+    assert "model.layers.0.ffn.gate.tid2eid is missing" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_speculative_decoding_is_refused_in_one_line(v4_path):
+    with pytest.raises(CheckpointError, match="num_speculative_tokens must be 0"):
+        LLM(v4_path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
