@@ -23,7 +23,7 @@ import time
 VARIANTS = {
     "first principles": ["--calibration", "none"],
     "deepseek-h800": ["--calibration", "deepseek-h800"],
-    "deepseek-h800, MTP 0.85": ["--calibration", "deepseek-h800", "--mtp", "0.85"],
+    "deepseek-h800, MTP 0.85": ["--calibration", "deepseek-h800", "--mtp-acceptance", "0.85"],
     "rtp-llm-h800": ["--calibration", "rtp-llm-h800"],
 }
 
