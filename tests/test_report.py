@@ -217,3 +217,26 @@ def test_signed_differences_follow_the_number_rule():
         "0%",
         "+0.001%",
     ]
+
+
+def test_architectures_section_plots_and_tabulates_the_four_models(tmp_path):
+    """FLOPs and KV per token against the context for V3, V3.2, V4-Flash and V4-Pro, and a table
+    whose last columns put the counted 1M-token shares of V3.2 beside the model card's."""
+    from PIL import Image
+
+    from moeinfra.report import arch_section
+
+    section = arch_section.build(tmp_path)
+    png = Image.open(tmp_path / "arch_per_token.png").convert("RGB")
+    assert len(png.getcolors(maxcolors=1 << 16) or []) > 10
+    cells = _cells(section.body_html)
+    assert [c for c in cells if c.startswith("deepseek-")] == [
+        "deepseek-v3",
+        "deepseek-v3.2",
+        "deepseek-v4-flash",
+        "deepseek-v4-pro",
+    ]
+    assert (
+        sum(c.endswith(" / 27%") or c.endswith(" / 10%") or c.endswith(" / 7%") for c in cells) == 4
+    )
+    assert not any(SCIENTIFIC.search(c) for c in cells)

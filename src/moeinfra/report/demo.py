@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moeinfra.report import (
+    arch_section,
     engine_section,
     eplb_section,
     moe_section,
@@ -29,6 +30,7 @@ SECTION_BUILDERS: list[tuple[str, SectionBuilder]] = [
     ("MoE", moe_section.build),
     ("Training", train_section.build),
     ("Engine", engine_section.build),
+    ("Architectures", arch_section.build),
     ("Serving", serving_section.build),
     ("Server", server_section.build),
 ]
