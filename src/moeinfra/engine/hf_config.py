@@ -184,14 +184,14 @@ def read_config(model_dir: Path) -> dict:
     return raw
 
 
-PUBLISHED = ("deepseek-v3", "deepseek-v3.2-exp")
+PUBLISHED = ("deepseek-v3", "deepseek-v3.2-exp", "deepseek-v4-flash", "deepseek-v4-pro")
 
 
 def published_config(name: str) -> dict:
-    """DeepSeek's released ``config.json`` of ``name`` (one of :data:`PUBLISHED`), shipped as data."""
-    from importlib import resources
+    """DeepSeek's released ``config.json`` of ``name`` (one of :data:`PUBLISHED`), shipped as data
+    (read by :func:`moeinfra.serving.arch.published_config`, the one reader of these files)."""
+    from moeinfra.serving.arch import published_config as read
 
     if name not in PUBLISHED:
         raise InputError(f"name={name!r} is not a published config; use one of {PUBLISHED}")
-    text = resources.files("moeinfra.engine").joinpath(f"data/configs/{name}.json").read_text()
-    return json.loads(text)
+    return read(name)
