@@ -93,8 +93,8 @@ def test_generate_chat_on_the_default_checkpoint(tmp_path):
             "num_nextn_predict_layers=0: the checkpoint has no MTP layer",
         ),
         (
-            ["init-tiny", "/tmp/x", "--arch", "deepseek_v4"],
-            "arch='deepseek_v4' is not allowed; use one of deepseek_v3, deepseek_v32",
+            ["init-tiny", "/tmp/x", "--arch", "deepseek_v5"],
+            "arch='deepseek_v5' is not allowed; use one of deepseek_v3, deepseek_v32, deepseek_v4",
         ),
     ],
 )
