@@ -1,25 +1,42 @@
-"""Decode step time against context: DeepSeek-V3 (dense MLA) and DeepSeek-V3.2 (sparse attention)
-on the engine, and V3.2 under ``transformers``; KV bytes per token of both.
+"""Decode step time and KV-cache bytes against context: DeepSeek-V3 (dense MLA), DeepSeek-V3.2
+(MLA behind an indexer) and DeepSeek-V4 (window + compressed entries) on the engine, next to
+``transformers``' V3.2 and V4.
 
-Run: ``.venv/bin/python -m benchmarks.bench_sparse_attention [--reps 5] [--max-context 32768]``
+Run: ``.venv/bin/python -m benchmarks.bench_sparse_attention [--reps 5] [--max-context 32768]
+[--models v3,v32,v4]``
 
-Two tiny checkpoints written alike (``init_tiny``, bpe tokenizer, float32, same seed): V3, and V3.2
-with DeepSeek's ``index_topk`` 2048 and an indexer of 4 heads of 16 (see :data:`INDEXER`). For every context ``L`` and
-batch ``B`` the engine's cache holds ``B`` requests of ``L`` earlier tokens (random cache contents:
-a decode step's cost does not depend on their values), and one decode step of ``B`` tokens is timed
-— the whole step (embedding to final norm), its MLA attention (every layer's paged attention:
-cache write, gather, attention, output projection) and, for V3.2, the indexer's scoring and top-k
-(O(context) by design; timed apart from the MLA part it selects for). ``transformers``' V3.2 (eager, batch 1)
-fills its cache with the same context in chunks, then one decode step is timed. Medians of
-``--reps``; one thread per process, as the engine's CI machine gives.
+Three tiny checkpoints written alike (``init_tiny``, bpe tokenizer, float32, same seed, hidden 64,
+4 heads, 16 experts): V3; V3.2 with DeepSeek's ``index_topk`` 2048 and an indexer of 4 heads of 16
+(:data:`INDEXER`); V4 with one layer of each kind (window only, CSA, HCA), DeepSeek's
+``sliding_window`` 128 and compress ratios 4 and 128, V4-Flash's ``index_topk`` 512 and the same
+small indexer (:data:`V4`). For every context ``L`` and batch ``B`` the engine's cache holds ``B``
+requests of ``L`` earlier tokens (random cache contents: a decode step's cost does not depend on
+their values; V4's compressed entries are read from it, :func:`v4_reads` checks how many), and one
+decode step of ``B`` tokens is timed — the whole step (embedding to final norm) and its attention:
+
+- V3, V3.2: "MLA", every layer's paged attention (cache write, gather, attention, output
+  projection) less the V3.2 indexer's scoring and top-k ("indexer", O(context) by design);
+- V4: "attention", every layer's ``V4AttentionLayer`` (query and window-key projections, the
+  window and compressed entries' attention, output projection) less its ``_compressed`` part
+  ("compressed": the new token's compressor projections, the gather of every compressed entry and
+  index key, the indexer's scoring and top-k).
+
+``transformers``' V3.2 and V4 (eager, batch 1) fill their caches with the same context in chunks,
+then one decode step is timed; a larger context is skipped once the previous fill, doubled, would
+pass ``--transformers-budget`` seconds. Medians of ``--reps``; one thread per process, as the
+engine's CI machine gives. Then the KV cache per token and per request at each context of
+DeepSeek's published configs: the engine's allocation (its :class:`KVLayout`) and DeepSeek's own
+layout (:meth:`moeinfra.serving.arch.Architecture.kv_bytes`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,20 +46,80 @@ from moeinfra.engine import attention as attention_module
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.hf_config import published_config, read_config
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
-from moeinfra.engine.models import deepseek_v3
+from moeinfra.engine.models import deepseek_v3, deepseek_v4
 from moeinfra.engine.registry import architecture
-from moeinfra.engine.tiny import init_tiny
+from moeinfra.engine.tiny import V4_CSA, V4_HCA, V4_SLIDING, init_tiny
 from moeinfra.eplb import rebalance
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.mla import Segment
+from moeinfra.serving.arch import Architecture
 
 BLOCK = 64
-INDEX_TOPK = 2048
+CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 # DeepSeek's index_topk; 4 index heads of 16 so that the indexer's work per key (64 multiply-adds)
 # against the tiny MLA's (4 heads x (40 + 32) = 288) is near DeepSeek-V3.2's (64 x 128 = 8,192
 # against 128 x (576 + 512) = 139,264): the tiny default (16 x 32) would make the indexer dearer
 # than the attention it saves.
-INDEXER = {"index_topk": INDEX_TOPK, "index_n_heads": 4, "index_head_dim": 16}
+INDEXER = {"index_topk": 2048, "index_n_heads": 4, "index_head_dim": 16}
+# DeepSeek-V4 at the tiny V3's scale (hidden 64, 4 heads, 16 experts, 3 layers) with DeepSeek's
+# window and ratios and one layer of each kind; V4-Flash's index_topk 512 and V3.2's bench indexer
+# (4 x 16 per compressed key against the attention's 4 heads x 2 x 32 = 256 per entry).
+V4 = {
+    "num_hidden_layers": 3,
+    "layer_types": [V4_SLIDING, V4_CSA, V4_HCA],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+    "compress_rates": {V4_CSA: 4, V4_HCA: 128},
+    "sliding_window": 128,
+    "index_topk": 512,
+    "index_n_heads": 4,
+    "index_head_dim": 16,
+}
+# published configs whose KV bytes are tabled (engine.hf_config.PUBLISHED)
+PUBLISHED = ("deepseek-v3", "deepseek-v3.2-exp", "deepseek-v4-flash", "deepseek-v4-pro")
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What to time of one model: the whole step, ``attention`` (a function's calls, added up
+    over the layers) and the ``part`` of it reported apart (its seconds are taken out of
+    ``attention``'s); ``owner.name`` names a module function or a class's method."""
+
+    label: str
+    arch: str
+    config: dict | None
+    attention: tuple[object, str]
+    part: tuple[object, str]
+    columns: tuple[str, str, str]  # step, attention less part, part
+
+
+MODELS = {
+    "v3": Timed(
+        "V3",
+        "deepseek_v3",
+        None,
+        (deepseek_v3, "paged_mla_attention"),
+        (attention_module, "select_tokens"),
+        ("V3 step", "V3 MLA", ""),
+    ),
+    "v32": Timed(
+        "V3.2",
+        "deepseek_v32",
+        INDEXER,
+        (deepseek_v3, "paged_mla_attention"),
+        (attention_module, "select_tokens"),
+        ("V3.2 step", "V3.2 MLA", "V3.2 indexer"),
+    ),
+    "v4": Timed(
+        "V4",
+        "deepseek_v4",
+        V4,
+        (deepseek_v4.V4AttentionLayer, "forward"),
+        (deepseek_v4.V4AttentionLayer, "_compressed"),
+        ("V4 step", "V4 attention", "V4 compressed"),
+    ),
+}
+# transformers' model of these is timed at batch 1 (V3's is the same dense MLA the engine checks)
+TRANSFORMERS = ("v32", "v4")
 
 
 def _model(path: Path):
@@ -57,59 +134,96 @@ def _model(path: Path):
 
 
 class _Clock:
-    """Wraps ``owner.name`` (a function) to add up the seconds its calls take."""
+    """Replaces ``owner.name`` (a function or a method) by one that adds up the seconds its calls
+    take and, given ``inspect``, keeps ``inspect(args, out)`` of every call in ``seen``."""
 
-    def __init__(self, owner, name: str) -> None:
-        self.owner, self.name = owner, name
+    def __init__(self, owner, name: str, inspect=None) -> None:
+        self.owner, self.name, self.inspect = owner, name, inspect
         self.inner = getattr(owner, name)
         self.seconds = 0.0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.inner(*args, **kwargs)
-        self.seconds += time.perf_counter() - start
-        return out
+        self.seen: list = []
 
     def __enter__(self):
-        setattr(self.owner, self.name, self)
+        inner, clock = self.inner, self
+
+        def timed(*args, **kwargs):  # a plain function: bound as a method when owner is a class
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            clock.seconds += time.perf_counter() - start
+            if clock.inspect is not None:
+                clock.seen.append(clock.inspect(args, out))
+            return out
+
+        setattr(self.owner, self.name, timed)
         return self
 
     def __exit__(self, *exc):
         setattr(self.owner, self.name, self.inner)
 
 
-def engine_step(path: Path, context: int, batch: int, reps: int) -> tuple[float, float, float]:
-    """Median ``(step_s, mla_s, indexer_s)`` of one decode step of ``batch`` requests at
-    ``context``: the whole step, its MLA attention, the indexer's scoring and top-k."""
-    arch, config, model = _model(path)
-    blocks_per_seq = -(-(context + 1) // BLOCK)
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), blocks_per_seq * batch, BLOCK)
+def _filled_cache(arch, config, context: int, batch: int):
+    """A paged cache holding ``batch`` requests of ``context`` random earlier tokens (blocks hold
+    whole V4 compression windows) -> ``(StepCache, segments)`` of one decode step."""
+    block = math.lcm(BLOCK, *(config.v4.ratios if config.v4 else ()))
+    blocks_per_seq = -(-(context + 1) // block)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32), blocks_per_seq * batch, block)
     torch.manual_seed(0)
     cache.data.normal_()
     slots = {
-        b: StepCache.slots_of(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), BLOCK)
+        b: StepCache.slots_of(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), block)
         for b in range(batch)
     }
-    segments = [Segment(b, context, 1) for b in range(batch)]
+    return StepCache(cache, slots), [Segment(b, context, 1) for b in range(batch)]
+
+
+def engine_step(path: Path, timed: Timed, context: int, batch: int, reps: int):
+    """Median ``(step_s, attention_s, part_s)`` of one decode step of ``batch`` requests at
+    ``context`` (``attention_s`` less ``part_s``; see :class:`Timed`)."""
+    arch, config, model = _model(path)
+    step, segments = _filled_cache(arch, config, context, batch)
     ids = torch.arange(3, 3 + batch)
-    steps, mla, index = [], [], []
-    with (
-        _Clock(deepseek_v3, "paged_mla_attention") as attention,
-        _Clock(attention_module, "select_tokens") as indexer,
-    ):
+    steps, attention, part = [], [], []
+    with _Clock(*timed.attention) as whole, _Clock(*timed.part) as inner:
         for _ in range(reps + 1):  # the first warms up
-            attention.seconds = indexer.seconds = 0.0
+            whole.seconds = inner.seconds = 0.0
             start = time.perf_counter()
-            model(ids, segments, StepCache(cache, slots), "none")
+            model(ids, segments, StepCache(step.cache, step.slots), "none")
             steps.append(time.perf_counter() - start)
-            mla.append(attention.seconds - indexer.seconds)
-            index.append(indexer.seconds)
-    return tuple(statistics.median(x[1:]) for x in (steps, mla, index))
+            attention.append(whole.seconds - inner.seconds)
+            part.append(inner.seconds)
+    return tuple(statistics.median(x[1:]) for x in (steps, attention, part))
 
 
-def transformers_step(path: Path, context: int, reps: int, chunk: int = 512) -> float:
-    """Median seconds of one decode step of ``transformers``' model (batch 1) after ``context``
-    tokens, its cache filled chunk by chunk."""
+def v4_reads(path: Path, context: int) -> dict[str, tuple[int, int]]:
+    """``{layer kind: (compressed entries read, entries attended)}`` of one V4 decode step after
+    ``context`` tokens, as the engine's step reads them from the cache; raises unless they are
+    what DeepSeek-V4 attends to (:meth:`Architecture.attended_entries`)."""
+    arch, config, model = _model(path)
+    step, segments = _filled_cache(arch, config, context, 1)
+
+    def entries(args, out):
+        layer, (found, visible) = args[0], out
+        return layer.kind, found.shape[0], int(visible.sum(-1).max())
+
+    with _Clock(deepseek_v4.V4AttentionLayer, "_compressed", entries) as probe:
+        model(torch.tensor([3]), segments, step, "none")
+    formula = Architecture.from_config(read_config(path), "tiny V4")
+    reads = {kind: (found, attended) for kind, found, attended in probe.seen}
+    for layer, kind in enumerate(config.v4.layer_kinds):
+        if kind == deepseek_v4.SLIDING:
+            continue
+        expected = formula.attended_entries(layer, context + 1)[1]
+        found, attended = reads[kind]
+        if attended != expected or found != (context + 1) // config.v4.compress_ratios[layer]:
+            raise AssertionError(
+                f"{kind} at {context}: read {found}, attended {attended}; expected {expected}"
+            )
+    return reads
+
+
+def transformers_step(path: Path, context: int, reps: int, chunk: int = 512):
+    """``(median step_s, fill_s)``: one decode step of ``transformers``' model (batch 1) after
+    ``context`` tokens, and the time to fill its cache chunk by chunk."""
     import transformers
     from transformers import DynamicCache
 
@@ -121,54 +235,138 @@ def transformers_step(path: Path, context: int, reps: int, chunk: int = 512) -> 
     times = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
+        begin = time.perf_counter()
         for start in range(0, context, chunk):
             model(ids[:, start : min(start + chunk, context)], cache=cache, use_cache=True)
+        fill = time.perf_counter() - begin
         for i in range(reps + 1):
             begin = time.perf_counter()
             model(ids[:, context + i : context + i + 1], cache=cache, use_cache=True)
             times.append(time.perf_counter() - begin)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), fill
 
 
-def kv_bytes() -> list[tuple[str, int]]:
+@dataclass(frozen=True)
+class KVRow:
+    """One published model's KV cache: the engine's allocation in bf16 (bytes per token, a
+    constant) and DeepSeek's layout per request at each context, in bf16 and fp8
+    (``{context: bytes}``), and V4's per-request compressor state."""
+
+    name: str
+    engine_per_token: int
+    deepseek_bf16: dict[int, int]
+    deepseek_fp8: dict[int, int]
+    compressor_state: int
+
+
+def kv_bytes(contexts=CONTEXTS) -> list[KVRow]:
     rows = []
-    for name in ("deepseek-v3", "deepseek-v3.2-exp"):
+    for name in PUBLISHED:
         raw = published_config(name)
         arch = architecture(raw["model_type"])
         layout = arch.kv_layout(arch.parse_config(raw, name), torch.bfloat16)
-        rows.append((name, layout.bytes_per_token))
+        formula = Architecture.from_config(raw, name)
+        rows.append(
+            KVRow(
+                name,
+                layout.bytes_per_token,
+                {c: formula.kv_bytes(c, "bf16") for c in contexts},
+                {c: formula.kv_bytes(c, "fp8") for c in contexts},
+                formula.compressor_state_bytes,
+            )
+        )
     return rows
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _print_kv(contexts) -> None:
+    heads = " | ".join(f"{c // 1024}K" for c in contexts)
+    print("\nKV cache bytes per token (all layers) of DeepSeek's published configs: the engine's")
+    print("allocation (bf16, any context) and DeepSeek's layout at each context (bf16 / fp8):\n")
+    print(f"| model | engine | {heads} |")
+    print(f"|---|---|{'---|' * len(contexts)}")
+    rows = kv_bytes(contexts)
+    for r in rows:
+        cells = " | ".join(
+            f"{r.deepseek_bf16[c] / c:,.0f} / {r.deepseek_fp8[c] / c:,.0f}" for c in contexts
+        )
+        print(f"| {r.name} | {r.engine_per_token:,} | {cells} |")
+    print("\nPer request (MiB, bf16): engine / DeepSeek's layout (+ V4's compressor state):\n")
+    print(f"| model | {heads} |")
+    print(f"|---|{'---|' * len(contexts)}")
+    mib = 2**20
+    for r in rows:
+        cells = " | ".join(
+            f"{r.engine_per_token * c / mib:,.1f} / {r.deepseek_bf16[c] / mib:,.1f}"
+            for c in contexts
+        )
+        state = f" (+{r.compressor_state / mib:,.1f})" if r.compressor_state else ""
+        print(f"| {r.name}{state} | {cells} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-context", type=int, default=32768)
-    parser.add_argument("--max-transformers-context", type=int, default=8192)
+    parser.add_argument("--max-transformers-context", type=int, default=16384)
+    parser.add_argument(
+        "--transformers-budget",
+        type=float,
+        default=240.0,
+        help="skip transformers' next context once twice its last cache fill passes this (s)",
+    )
+    parser.add_argument("--models", default="v3,v32,v4", help=f"of {','.join(MODELS)}")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    contexts = [c for c in (1024, 2048, 4096, 8192, 16384, 32768) if c <= args.max_context]
+    contexts = [c for c in CONTEXTS if c <= args.max_context]
+    names = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: {unknown[0]!r} is not one of {', '.join(MODELS)}")
+    fill = dict.fromkeys(TRANSFORMERS, 0.0)
     with tempfile.TemporaryDirectory() as tmp:
-        v3 = init_tiny(Path(tmp) / "v3", tokenizer="bpe")
-        v32 = init_tiny(Path(tmp) / "v32", tokenizer="bpe", arch="deepseek_v32", config=INDEXER)
-        print(f"V3.2 indexer {INDEXER}; float32, 1 thread; median of {args.reps} steps (ms)\n")
-        print("| context | batch | V3 step | V3 MLA | V3.2 step | V3.2 MLA | V3.2 indexer "
-              "| transformers V3.2 step |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|")
+        paths = {
+            n: init_tiny(
+                Path(tmp) / n, tokenizer="bpe", arch=MODELS[n].arch, config=MODELS[n].config
+            )
+            for n in names
+        }
+        print(f"float32, 1 thread; milliseconds, medians of {args.reps} steps")
+        heads = [c for n in names for c in MODELS[n].columns if c]
+        heads += [f"transformers {MODELS[n].label} step" for n in TRANSFORMERS if n in names]
+        print(f"\n| context | batch | {' | '.join(heads)} |")
+        print(f"|---|---|{'---|' * len(heads)}")
         for context in contexts:
             for batch in (1, 8):
-                a_step, a_mla, _ = engine_step(v3, context, batch, args.reps)
-                b_step, b_mla, b_index = engine_step(v32, context, batch, args.reps)
-                hf = "—"
-                if batch == 1 and context <= args.max_transformers_context:
-                    hf = f"{transformers_step(v32, context, args.reps) * 1e3:,.1f}"
-                ms = [f"{t * 1e3:,.2f}" for t in (a_step, a_mla, b_step, b_mla, b_index)]
-                print(f"| {context:,} | {batch} | {' | '.join(ms)} | {hf} |", flush=True)
-    print("\nKV cache per token (all layers, bf16, DeepSeek's published configs):\n")
-    print("| model | bytes per token |")
-    print("|---|---|")
-    for name, size in kv_bytes():
-        print(f"| {name} | {size:,} |")
+                cells = []
+                for n in names:
+                    times = engine_step(paths[n], MODELS[n], context, batch, args.reps)
+                    cells += [_ms(t) for t, c in zip(times, MODELS[n].columns, strict=True) if c]
+                for n in (n for n in TRANSFORMERS if n in names):
+                    cell = "—"
+                    if batch == 1 and context <= args.max_transformers_context:
+                        if 2 * fill[n] > args.transformers_budget:
+                            cell = "skipped"
+                        else:
+                            step, fill[n] = transformers_step(paths[n], context, args.reps)
+                            cell = f"{step * 1e3:,.1f}"
+                    cells.append(cell)
+                print(f"| {context:,} | {batch} | {' | '.join(cells)} |", flush=True)
+        if "v4" in names:
+            print("\nV4 compressed entries a decode step reads / attends per query (checked):\n")
+            print("| context | CSA read | CSA attended | HCA read |")
+            print("|---|---|---|---|")
+            for context in contexts:
+                reads = v4_reads(paths["v4"], context)
+                csa, hca = reads[deepseek_v4.CSA], reads[deepseek_v4.HCA]
+                print(f"| {context:,} | {csa[0]:,} | {csa[1]:,} | {hca[0]:,} |")
+    if any(fill.values()):
+        took = ", ".join(f"{MODELS[n].label} {s:,.0f} s" for n, s in fill.items() if s)
+        print(f"\ntransformers' last cache fill (batch 1, 512-token chunks): {took}")
+    _print_kv(contexts)
 
 
 if __name__ == "__main__":
