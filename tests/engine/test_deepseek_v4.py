@@ -267,3 +267,54 @@ def test_missing_hash_table_and_bad_block_size_are_one_line(bad_path):
 def test_speculative_decoding_is_refused_in_one_line(v4_path):
     with pytest.raises(CheckpointError, match="num_speculative_tokens must be 0"):
         LLM(v4_path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_fp8_and_fp4_checkpoint_reads_as_transformers_reads_it(tmp_path):
+    """DeepSeek-V4-Flash's layout at tiny size: FP8 projections with power-of-two (ue8m0) block
+    scales, routed experts in MXFP4 (int8 pairs, a scale per 32 values); logits equal
+    transformers' on the same files (its FP8 loader, dequantising), also under DeepSeek's own
+    ``.scale`` names."""
+    pytest.importorskip("accelerate")  # transformers' FP8 loader needs it
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path = init_tiny(tmp_path / "fp8", tokenizer="bpe", arch="deepseek_v4", fp8=True, shards=1)
+    tensors = load_file(path / "model.safetensors")
+    assert tensors["model.layers.1.ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert tensors["model.layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    quant = transformers.FineGrainedFP8Config(
+        dequantize=True, weight_block_size=[128, 128], scale_fmt="ue8m0", expert_dtype="fp4"
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, quantization_config=quant
+    ).eval()
+    ids = torch.arange(3, 60)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    native = tmp_path / "native"
+    native.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (native / f.name).write_bytes(f.read_bytes())
+    renamed = {k.replace(".weight_scale_inv", ".scale"): t for k, t in tensors.items()}
+    save_file(renamed, native / "model.safetensors", metadata={"format": "pt"})
+    for folder in (path, native):
+        arch, config, model = one_rank_model(folder)
+        cache = PagedKVCache(arch.kv_layout(config, torch.float32), 4, 16)
+        step = StepCache(cache, {0: StepCache.slots_of([0, 1, 2, 3], 16)})
+        ours = model.logits(model(ids, [Segment(0, 0, len(ids))], step, "none"))
+        assert (ours - ref).abs().max() < LOGIT_TOL, folder.name
+
+
+def test_fp4_tensor_without_its_scale_names_file_and_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = init_tiny(tmp_path / "fp4", tokenizer="bpe", arch="deepseek_v4", fp8=True, shards=1)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.2.ffn.experts.3.w2.weight"
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        LLM(path)
+    assert f"tensor {name} is FP4 but {name}_scale_inv is missing" in str(err.value)
+    assert "model.safetensors" in str(err.value) and "\n" not in str(err.value)

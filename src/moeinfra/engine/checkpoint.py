@@ -2,9 +2,10 @@
 
 A checkpoint is ``model.safetensors`` or shards listed by ``model.safetensors.index.json``
 (``weight_map: {tensor name: shard file}``). Only the tensors asked for are read, so a rank reads its
-own experts and nothing else. FP8 weights with a ``weight_scale_inv`` beside them are dequantised by
-:meth:`CheckpointReader.get`, or read as stored by :meth:`CheckpointReader.fp8` for a loader that
-keeps them in FP8.
+own experts and nothing else. FP8 weights with a ``weight_scale_inv`` beside them (DeepSeek-V4's own
+files: ``X.scale`` beside ``X.weight``) are dequantised by :meth:`CheckpointReader.get`, or read as
+stored by :meth:`CheckpointReader.fp8` for a loader that keeps them in FP8; so are DeepSeek-V4's FP4
+experts (int8, two E2M1 values per byte).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moeinfra.engine.fp8 import dequantize
+from moeinfra.engine.fp8 import dequantize, dequantize_fp4
 from moeinfra.engine.hf_config import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
+# packed FP4 as DeepSeek-V4 stores it (int8), or torch's own two-per-byte dtype
+FP4_DTYPES = tuple(t for t in (torch.int8, getattr(torch, "float4_e2m1fn_x2", None)) if t)
 
 
 class CheckpointReader:
@@ -79,31 +82,44 @@ class CheckpointReader:
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{self.model_dir / shard}: tensor {name}: {exc}") from None
 
+    def scale_name(self, name: str) -> str:
+        """The name of ``name``'s block scales: ``X.weight_scale_inv`` (transformers, DeepSeek-V3)
+        or ``X.scale`` (DeepSeek-V4's own files)."""
+        native = name.removesuffix(".weight") + ".scale"
+        if name.endswith(".weight") and native in self.weight_map:
+            return native
+        return name + SCALE_SUFFIX
+
     def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(weight, weight_scale_inv)`` as stored when ``name`` is an FP8 weight with its block
         scales, else None."""
-        scale = name + SCALE_SUFFIX
+        scale = self.scale_name(name)
         if name not in self.weight_map or scale not in self.weight_map:
             return None
         weight = self._raw(name)
         if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             return None
-        return weight, self._raw(scale)
+        return weight, self._raw(scale).float()
 
     def get(
         self, name: str, shape: tuple[int, ...] | None = None, dtype=torch.float32
     ) -> torch.Tensor:
         """Tensor ``name`` as ``dtype`` (FP8 dequantised), checked against ``shape`` when given."""
         tensor = self._raw(name)
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = name + SCALE_SUFFIX
+        fp4 = tensor.dtype in FP4_DTYPES and shape is not None and len(shape) == 2
+        fp4 = fp4 and tensor.dim() == 2 and 2 * tensor.shape[1] == shape[1]
+        if fp4 or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = self.scale_name(name)
             if scale not in self.weight_map:
                 raise CheckpointError(
-                    f"{self.model_dir / self.weight_map[name]}: tensor {name} is FP8 but "
-                    f"{scale} is missing"
+                    f"{self.model_dir / self.weight_map[name]}: tensor {name} is "
+                    f"{'FP4' if fp4 else 'FP8'} but {scale} is missing"
                 )
             try:
-                tensor = dequantize(tensor, self._raw(scale), dtype=dtype)
+                if fp4:
+                    tensor = dequantize_fp4(tensor, self._raw(scale), dtype=dtype)
+                else:
+                    tensor = dequantize(tensor, self._raw(scale).float(), dtype=dtype)
             except ValueError as exc:
                 raise CheckpointError(
                     f"{self.model_dir / self.weight_map[name]}: tensor {name}: {exc}"

@@ -1,8 +1,13 @@
-"""DeepSeek-V3's FP8 weight format: ``float8_e4m3fn`` weights with one float32 scale per 128x128 block.
+"""DeepSeek's low-precision weight formats.
 
-A quantised linear weight ``W [out, in]`` is stored as ``weight`` (``float8_e4m3fn``) and
-``weight_scale_inv [ceil(out / 128), ceil(in / 128)]`` (float32); the real weight is
+FP8 (DeepSeek-V3, V3.2, V4): a linear weight ``W [out, in]`` is stored as ``weight``
+(``float8_e4m3fn``) and ``weight_scale_inv [ceil(out / 128), ceil(in / 128)]`` (float32, or
+``float8_e8m0fnu`` powers of two with ``scale_fmt: ue8m0``); the real weight is
 ``weight * weight_scale_inv`` block by block (DeepSeek's ``weight_dequant``).
+
+FP4 (DeepSeek-V4's routed experts, ``expert_dtype: fp4``, MXFP4): ``weight [out, in / 2]`` int8, two
+E2M1 values per byte (low nibble first), and one power-of-two scale per 32 values of a row
+(``[out, in / 32]``, ``float8_e8m0fnu``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,26 @@ from moeinfra.errors import InputError
 
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_GROUP = 32  # values per MXFP4 scale
+# the 16 E2M1 codes: sign bit 3, then 2 exponent bits and 1 mantissa bit
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
 def _expand(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
@@ -53,6 +78,38 @@ def quantize(
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (w / _expand(scale_inv, w.shape, block)).to(torch.float8_e4m3fn)
     return q, scale_inv
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``packed [out, in / 2]`` (int8 or uint8, two E2M1 codes per byte, low nibble first) times
+    ``scale [out, in / 32]`` -> ``[out, in]``."""
+    if packed.dim() != 2:
+        raise InputError(f"FP4 weight must be 2-D, has shape {tuple(packed.shape)}")
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if tuple(scale.shape) != (rows, cols // FP4_GROUP) or cols % FP4_GROUP:
+        raise InputError(
+            f"FP4 scale has shape {tuple(scale.shape)}, weight {(rows, cols)} needs "
+            f"{(rows, cols // FP4_GROUP)} (one per {FP4_GROUP} values)"
+        )
+    codes = packed.contiguous().view(torch.uint8)
+    table = torch.tensor(FP4_VALUES, device=packed.device)
+    values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1)
+    values = values.reshape(rows, cols // FP4_GROUP, FP4_GROUP) * scale.float()[..., None]
+    return values.reshape(rows, cols).to(dtype)
+
+
+def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 of ``weight [out, in]``: ``(int8 [out, in / 2], float8_e8m0fnu [out, in / 32])``,
+    each group's scale the power of two that fits its largest value under 6, values rounded to
+    the nearest E2M1 code."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // FP4_GROUP, FP4_GROUP)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
+    table = torch.tensor(FP4_VALUES)
+    codes = (groups / scale).unsqueeze(-1).sub(table).abs().argmin(dim=-1).reshape(rows, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.squeeze(-1).to(torch.float8_e8m0fnu)
 
 
 class Fp8Linear(nn.Module):

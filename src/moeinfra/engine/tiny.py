@@ -376,6 +376,35 @@ def quantize_fp8(
     return out
 
 
+# DeepSeek-V4-Flash keeps its compressors' projections and the indexer's head weights in bf16
+V4_UNQUANTISED = ("compressor.wkv.weight", "compressor.wgate.weight", "weights_proj.weight")
+
+
+def quantize_v4(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4-Flash's layout: routed experts in MXFP4 (int8 pairs, a ``float8_e8m0fnu`` scale
+    per 32 values), the other projections of the layers in FP8 with power-of-two block scales
+    (``float8_e8m0fnu``), the compressors, indexer head weights, gates, norms, mHC, embedding and
+    head as they are. Scales are named ``weight_scale_inv`` (DeepSeek's own files: ``scale``)."""
+    from moeinfra.engine.fp8 import quantize_fp4
+
+    out = {}
+    for name, tensor in weights.items():
+        keep = (
+            tensor.dim() != 2
+            or not tensor.is_floating_point()
+            or not name.startswith("model.layers.")
+            or name.endswith(("gate.weight", "_fn", ".ape") + V4_UNQUANTISED)
+        )
+        if keep:
+            out[name] = tensor
+        elif ".experts." in name:
+            out[name], out[name + "_scale_inv"] = quantize_fp4(tensor)
+        else:
+            q, scale = quantize(tensor, power_of_two=True)
+            out[name], out[name + "_scale_inv"] = q, scale.to(torch.float8_e8m0fnu)
+    return out
+
+
 def _train_bpe(corpus: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -466,8 +495,6 @@ def init_tiny(
         raise InputError(f"dtype={dtype!r} is not allowed; use one of {', '.join(DTYPES)}")
     if shards < 1:
         raise InputError(f"shards={shards} must be >= 1")
-    if fp8 and arch == "deepseek_v4":
-        raise InputError("fp8=True is not available for arch='deepseek_v4'; write it unquantised")
     if path.exists() and not overwrite and any(path.iterdir() if path.is_dir() else [path]):
         raise InputError(f"path={str(path)!r} exists and is not empty (pass overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -483,13 +510,18 @@ def init_tiny(
                 "quant_method": "fp8",
                 "weight_block_size": [128, 128],
             }
-            if arch == "deepseek_v32":
+            if arch in ("deepseek_v32", "deepseek_v4"):
                 config["quantization_config"]["scale_fmt"] = "ue8m0"
-            weights = quantize_fp8(weights, power_of_two=arch == "deepseek_v32")
-        # FP8 weights and their float32 block scales stay as DeepSeek ships them
+            if arch == "deepseek_v4":
+                config["expert_dtype"] = "fp4"
+                weights = quantize_v4(weights)
+            else:
+                weights = quantize_fp8(weights, power_of_two=arch == "deepseek_v32")
+        # FP8 weights and their block scales stay as DeepSeek ships them
+        low_precision = (torch.float8_e4m3fn, torch.float8_e8m0fnu)
         weights = {
             k: t.to(DTYPES[dtype])
-            if t.is_floating_point() and t.dtype != torch.float8_e4m3fn and "_scale_inv" not in k
+            if t.is_floating_point() and t.dtype not in low_precision and "_scale_inv" not in k
             else t
             for k, t in weights.items()
         }
