@@ -82,7 +82,7 @@ def test_most_requests_attend_sparsely(v32_prompts):
 def test_logits_match_transformers_over_chunks_and_decode(v32_path, hf_v32):
     arch, config, model = one_rank_model(v32_path)
     ids = [(7 * i) % 1000 + 3 for i in range(60)]
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 64, 4)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 64, 4)
     step = StepCache(cache, {0: StepCache.slots_of(list(range(63, 47, -1)), 4)})
     # a dense first chunk, a chunk crossing index_topk, then sparse decode steps
     parts = [model(torch.tensor(ids[:10]), [Segment(0, 0, 10)], step, "none")]
@@ -157,10 +157,10 @@ def test_cache_holds_the_index_key_and_its_bytes_follow_the_formula(v32_path):
     arch = architecture(raw["model_type"])
     config = arch.parse_config(raw, "config.json")
     # DeepSeek-V3.2 in bf16: (512 latent + 64 RoPE key + 128 index key) x 2 B x 61 layers
-    assert arch.kv_layout(config, torch.bfloat16).bytes_per_token == 85_888
+    assert arch.kv_layout(config, torch.bfloat16, 64).bytes_per_token == 85_888
     tiny_raw = read_config(v32_path)
     tiny = arch.parse_config(tiny_raw, "config.json")
-    layout = arch.kv_layout(tiny, torch.float32)
+    layout = arch.kv_layout(tiny, torch.float32, 4)
     cache = PagedKVCache(layout, num_blocks=5, block_size=4)
     assert cache.nbytes == layout.bytes_per_token * 5 * 4
     assert cache.part(0, "index_k").shape == (20, TINY_INDEXER["index_head_dim"])
@@ -248,7 +248,7 @@ def test_sparse_queries_gather_topk_entries_however_long_the_context(v32_path, m
     monkeypatch.setattr(attention, "decode_attention", recording_decode)
     monkeypatch.setattr(attention, "select_tokens", recording_select)
     arch, config, model = one_rank_model(v32_path)
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 128, 4)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 128, 4)
     step = StepCache(
         cache,
         {

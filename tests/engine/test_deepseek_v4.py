@@ -85,7 +85,7 @@ def test_prompts_exercise_window_compression_and_sparse_choice(v4_path, v4_promp
 def test_logits_match_transformers_over_chunks_and_decode(v4_path, hf_v4):
     arch, config, model = one_rank_model(v4_path)
     ids = [(7 * i) % 1000 + 3 for i in range(70)]
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
     step = StepCache(cache, {0: StepCache.slots_of([5, 2, 7, 0, 3], 16)})
     parts = [model(torch.tensor(ids[:5]), [Segment(0, 0, 5)], step, "none")]
     parts.append(model(torch.tensor(ids[5:50]), [Segment(0, 5, 45)], step, "none"))
@@ -98,12 +98,32 @@ def test_logits_match_transformers_over_chunks_and_decode(v4_path, hf_v4):
     assert ref.abs().max() > 5
 
 
+def test_a_sequence_resumes_at_a_block_boundary_from_shared_blocks(v4_path, hf_v4):
+    """What a prefix hit, a preemption or a hand-off does: a new sequence reads the blocks another
+    computed and goes on from a block boundary, rebuilding the compressor state it needs (CSA's
+    last window) from the previous block's tail — logits equal transformers' past the boundary;
+    resuming inside a block is refused."""
+    arch, config, model = one_rank_model(v4_path)
+    ids = [(5 * i) % 1000 + 7 for i in range(60)]
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
+    table = StepCache.slots_of([3, 1, 6, 0], 16)
+    step = StepCache(cache, {0: table, 1: table})
+    model(torch.tensor(ids[:40]), [Segment(0, 0, 40)], step, "none")
+    model.release(0)
+    ours = model.logits(model(torch.tensor(ids[32:60]), [Segment(1, 32, 28)], step, "none"))
+    with torch.no_grad():
+        ref = hf_v4(torch.tensor([ids])).logits[0, 32:]
+    assert (ours - ref).abs().max() < LOGIT_TOL
+    with pytest.raises(RuntimeError, match="resumes at block boundaries only, not at position 40"):
+        model(torch.tensor(ids[40:41]), [Segment(2, 40, 1)], StepCache(cache, {2: table}), "none")
+
+
 def test_batched_segments_match_one_at_a_time(v4_path):
     """Two sequences in one step (a prefill chunk beside a decode token) read only their own
     cache slots."""
     arch, config, model = one_rank_model(v4_path)
     a, b = list(range(3, 43)), list(range(500, 540))
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
     slots = {0: StepCache.slots_of([0, 1, 2], 16), 1: StepCache.slots_of([7, 6, 5], 16)}
     step = StepCache(cache, slots)
     model(torch.tensor(a[:39]), [Segment(0, 0, 39)], step, "none")
@@ -111,7 +131,7 @@ def test_batched_segments_match_one_at_a_time(v4_path):
     both = model(
         torch.tensor([a[39], *b[20:40]]), [Segment(0, 39, 1), Segment(1, 20, 20)], step, "none"
     )
-    alone = PagedKVCache(arch.kv_layout(config, torch.float32), 8, 16)
+    alone = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
     ref = model(torch.tensor(b), [Segment(1, 0, 40)], StepCache(alone, slots), "none")
     assert (model.logits(both[1:]) - model.logits(ref[20:])).abs().max() < LOGIT_TOL
 
@@ -195,22 +215,56 @@ def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
     outs = []
     for path in (v4_path, native):
         arch, config, model = one_rank_model(path)
-        cache = PagedKVCache(arch.kv_layout(config, torch.float32), 4, 16)
+        cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 4, 16)
         step = StepCache(cache, {0: StepCache.slots_of([0, 1, 2], 16)})
         outs.append(model.logits(model(ids, [Segment(0, 0, len(ids))], step, "none")))
     assert torch.equal(outs[0], outs[1])
 
 
-def test_cache_bytes_follow_the_layout_formula(v4_path):
-    arch, config, _ = one_rank_model(v4_path)
-    layout = arch.kv_layout(config, torch.float32)
-    v4 = config.v4
-    # window key + CSA's compressor key and gate (2 x head_dim each) + entry, and the indexer's
-    per_layer = v4.head_dim * (1 + 2 + 2 + 1) + v4.index_head_dim * (2 + 2 + 1)
-    assert layout.values_per_token == per_layer
+def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
+    """Per token and layer the cache holds the window key, a 1/ratio slice of its window's entry
+    and index key, and a 1/block share of its block's CSA tail; a running request holds at most
+    its open windows' projections (and CSA's last whole window's) beside it."""
+    from moeinfra.engine.models.deepseek_v4 import state_bytes_per_request, tail_values
+
+    arch, config, model = one_rank_model(v4_path)
+    v4, block = config.v4, 16
+    layout = arch.kv_layout(config, torch.float32, block)
+    csa, hca = 4, 16
+    assert tail_values(v4) == csa * 2 * (v4.head_dim + v4.index_head_dim)
+    per_layer = (
+        v4.head_dim + v4.head_dim // csa + v4.index_head_dim // csa + -(-tail_values(v4) // block)
+    )
+    assert layout.values_per_token == per_layer == 68
     assert layout.bytes_per_token == per_layer * config.num_layers * 4
-    cache = PagedKVCache(layout, num_blocks=3, block_size=16)
-    assert cache.nbytes == layout.bytes_per_token * 3 * 16
+    cache = PagedKVCache(layout, num_blocks=4, block_size=block)
+    assert cache.nbytes == layout.bytes_per_token * 4 * block
+    # 47 tokens: HCA's open window holds 15 (ratio - 1), CSA's 3 plus its last whole window's 4
+    step = StepCache(cache, {0: StepCache.slots_of([0, 1, 2], block)})
+    model(torch.arange(3, 50), [Segment(0, 0, 47)], step, "none")
+    held = sum(
+        t.numel() * t.element_size()
+        for layer in model.layers
+        if layer.attn.compressor is not None
+        for t in layer.attn.held[0].rows
+    )
+    assert held == state_bytes_per_request(config, torch.float32)
+    assert (47 - 1) % hca == hca - 2 and 47 % csa == csa - 1
+    model.release(0)
+    assert all(not layer.attn.held for layer in model.layers)
+
+
+def test_published_v4_flash_cache_per_token(v4_path):
+    """DeepSeek-V4-Flash (bf16, 128-token blocks): per layer 512 window + 128 entry slice + 32
+    index-key slice + 40 tail values, 43 layers."""
+    from moeinfra.engine.hf_config import published_config
+    from moeinfra.engine.registry import architecture
+
+    raw = published_config("deepseek-v4-flash")
+    arch = architecture(raw["model_type"])
+    layout = arch.kv_layout(arch.parse_config(raw, "config.json"), torch.bfloat16, 128)
+    assert layout.values_per_token == 512 + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
+    assert layout.bytes_per_token == 712 * 43 * 2
 
 
 def _write_config(path, **changes):
@@ -300,7 +354,7 @@ def test_fp8_and_fp4_checkpoint_reads_as_transformers_reads_it(tmp_path):
     save_file(renamed, native / "model.safetensors", metadata={"format": "pt"})
     for folder in (path, native):
         arch, config, model = one_rank_model(folder)
-        cache = PagedKVCache(arch.kv_layout(config, torch.float32), 4, 16)
+        cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 4, 16)
         step = StepCache(cache, {0: StepCache.slots_of([0, 1, 2, 3], 16)})
         ours = model.logits(model(ids, [Segment(0, 0, len(ids))], step, "none"))
         assert (ours - ref).abs().max() < LOGIT_TOL, folder.name

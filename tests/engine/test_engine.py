@@ -171,7 +171,7 @@ def test_kv_cache_bytes_per_token_equal_the_mla_formula(tiny_path):
         "first_k_dense_replace": 3,
     }
     config = parse_config(raw)
-    layout = architecture("deepseek_v3").kv_layout(config, torch.bfloat16)
+    layout = architecture("deepseek_v3").kv_layout(config, torch.bfloat16, 64)
     assert layout.bytes_per_token == (512 + 64) * 61 * 2 == 70_272
     # and the engine's own cache holds exactly that per slot
     core = EngineCore(tiny_path, EngineConfig(block_size=8, num_kv_blocks=10))

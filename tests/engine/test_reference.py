@@ -23,7 +23,7 @@ LOGIT_TOL = 1e-4
 
 def test_logits_match_transformers_prefill_and_decode(tiny_path, hf_model, prompt_ids):
     arch, config, model = one_rank_model(tiny_path)
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 32, 4)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 32, 4)
     ids = prompt_ids[1]
     table = StepCache.slots_of([7, 2, 30, 5, 11, 0, 9, 1, 3, 4, 6, 8, 10, 12], 4)
     step = StepCache(cache, {0: table})
@@ -46,7 +46,7 @@ def test_long_prompt_chunks_attend_expanded_and_match_transformers(tiny_path, hf
     threshold = expanded_attention_threshold(model.dense[0].attn)
     ids = [(7 * i) % 1000 + 3 for i in range(150)]
     assert len(ids) > threshold > 1
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), 64, 4)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 64, 4)
     step = StepCache(cache, {0: StepCache.slots_of(list(range(40)), 4)})
     # a first chunk of 40 (absorbed) then one of 110 (expanded) reading the first from the cache
     first = model(torch.tensor(ids[:40]), [Segment(0, 0, 40)], step, "none")

@@ -143,7 +143,7 @@ class EngineCore:
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.mtp = self._load_mtp(reader, dtype, keep_fp8) if self.num_speculative_tokens else None
         self.spec_stats = SpecStats(self.num_speculative_tokens)
-        layout = self.arch.kv_layout(self.model_config, dtype)
+        layout = self.arch.kv_layout(self.model_config, dtype, self.config.block_size)
         if self.mtp is not None:
             layout = with_mtp_layer(layout)
         self.cache = PagedKVCache(
@@ -153,8 +153,13 @@ class EngineCore:
             self.config.num_kv_blocks, self.config.block_size, reuse_last_block=self.mtp is None
         )
         self.scheduler = Scheduler(
-            self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.blocks,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            resume_alignment=self.config.block_size if self.arch.resumes_at_blocks else 1,
         )
+        if hasattr(self.model, "release"):
+            self.blocks.on_free.append(self.model.release)
         self.requests: dict[str, Sequence] = {}
         self._detok: dict[str, DetokenizeStream] = {}
         self._ids = itertools.count()

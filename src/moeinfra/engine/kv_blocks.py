@@ -105,6 +105,8 @@ class BlockManager:
         """Prompt tokens passed to :meth:`allocate_prefix` so far."""
         self.hit_tokens = 0
         """Of those, tokens found in the prefix cache (what :meth:`allocate_prefix` returned)."""
+        self.on_free: list = []
+        """Called with the sequence id whenever :meth:`free` releases a sequence."""
 
     # ------------------------------------------------------------------ statistics
 
@@ -235,6 +237,8 @@ class BlockManager:
                     self._free.append(block)
                 else:
                     self._evictable[block] = None
+        for listener in self.on_free:
+            listener(seq_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         """Block ids of sequence ``seq_id``, in token order (a copy)."""

@@ -20,11 +20,14 @@ from moeinfra.engine.kv_cache import KVLayout
 
 @dataclass(frozen=True)
 class Architecture:
-    """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype) -> KVLayout``;
+    """``parse_config(raw, source) -> ModelConfig``; ``kv_layout(config, dtype, block_size) ->
+    KVLayout``;
     ``load(reader, config, plan, comm, dtype, keep_fp8=False) -> model`` (see
     :mod:`.models.deepseek_v3`); ``load_mtp`` (same arguments, a one-layer plan) -> the draft model
     of speculative decoding (:mod:`.models.mtp`), None where the architecture has none;
-    ``check_block_size(config, block_size)`` raises where the cache's blocks cannot be that size."""
+    ``check_block_size(config, block_size)`` raises where the cache's blocks cannot be that size;
+    ``resumes_at_blocks``: the model keeps per-request state outside the cache that it rebuilds
+    only at block boundaries, so KV computed elsewhere is used up to a block boundary."""
 
     model_type: str
     hf_architecture: str
@@ -33,6 +36,7 @@ class Architecture:
     load: Callable
     load_mtp: Callable | None = None
     check_block_size: Callable[[ModelConfig, int], None] | None = None
+    resumes_at_blocks: bool = False
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -69,6 +73,7 @@ def _builtin() -> None:
             v4.kv_layout,
             v4.load,
             check_block_size=v4.check_block_size,
+            resumes_at_blocks=True,
         )
     )
 

@@ -43,7 +43,11 @@ class Scheduler:
     """Which requests of this rank run in the next step, and how many tokens each."""
 
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        resume_alignment: int = 1,
     ) -> None:
         if max_num_seqs < 1:
             raise InputError(f"max_num_seqs={max_num_seqs} must be >= 1")
@@ -52,6 +56,9 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # preloaded KV is used up to a multiple of this (a model that rebuilds its own state
+        # only at block boundaries recomputes the rest)
+        self.resume_alignment = resume_alignment
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -112,8 +119,7 @@ class Scheduler:
             budget -= length
         return out, rejected
 
-    @staticmethod
-    def _preloaded_start(seq: Sequence, cached: int) -> int:
+    def _preloaded_start(self, seq: Sequence, cached: int) -> int:
         """Where computing starts: after the cached prefix, or after preloaded KV that continues it
         (at least one token is always left to compute). Unusable preloaded KV is dropped."""
         pre = seq.preloaded
@@ -123,7 +129,8 @@ class Scheduler:
             seq.preloaded = None
             return cached
         pre.write_from = cached
-        return min(pre.end, seq.num_tokens - 1)
+        start = min(pre.end, seq.num_tokens - 1)
+        return max(cached, start - start % self.resume_alignment)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -329,7 +329,7 @@ def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: En
 
     arch = architecture(model_config.model_type, str(model_dir))
     dtype = resolve_dtype(engine.dtype, resolve_device(engine.device))  # as the units resolve it
-    layout = arch.kv_layout(model_config, dtype)
+    layout = arch.kv_layout(model_config, dtype, engine.block_size)
     drafting = engine.num_speculative_tokens > 0
     if drafting:  # a drafting unit caches (and stores) the MTP layer's KV too
         layout = with_mtp_layer(layout)

@@ -156,8 +156,9 @@ class DeepseekV3(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """The latent and RoPE key per token and layer (and the index key with an indexer)."""
+def kv_layout(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
+    """The latent and RoPE key per token and layer (and the index key with an indexer), whatever
+    the ``block_size``."""
     index_dim = config.indexer.head_dim if config.indexer is not None else 0
     return mla_layout(config.block, config.num_layers, dtype, index_dim)
 

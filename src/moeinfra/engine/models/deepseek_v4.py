@@ -56,8 +56,7 @@ SLIDING, CSA, HCA = (
 _KIND_OF_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
 
 # cache parts per token per layer (widths in :func:`kv_layout`)
-WINDOW_KV, COMP_KV, COMP_GATE, ENTRY = "kv", "comp_kv", "comp_gate", "entry"
-INDEX_KV, INDEX_GATE, INDEX_ENTRY = "index_kv", "index_gate", "index_entry"
+WINDOW_KV, ENTRY, INDEX_ENTRY, TAIL = "kv", "entry", "index_entry", "tail"
 
 
 @dataclass(frozen=True)
@@ -240,24 +239,61 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{source}: {exc}") from None
+    for kind, ratio in zip(v4.layer_kinds, v4.compress_ratios, strict=True):
+        dims = (("head_dim", v4.head_dim),) + (
+            (("index_head_dim", v4.index_head_dim),) if kind == CSA else ()
+        )
+        for name, dim in dims:
+            if ratio and dim % ratio:
+                raise CheckpointError(
+                    f"{source}: {name}={dim} must be a multiple of the compress ratio {ratio} "
+                    "(a window's tokens each cache a 1/ratio slice of its entry)"
+                )
     return config
 
 
-def kv_layout(config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """Per token and layer: the window key (``head_dim``); with compressed layers the compressor's
-    key and gate projections (``2 * head_dim`` each with CSA's overlap, else ``head_dim``) and the
-    compressed entry (``head_dim``, used at each window's last token); with CSA the indexer's
-    projections (``2 * index_head_dim`` each) and its compressed key. Every layer gets the widest
+def kv_layout(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
+    """Per token and layer: the window key (``head_dim``); with compressed layers, a
+    ``1 / ratio`` slice of the entry of the token's window (the window's ``ratio`` tokens hold it
+    together: ``head_dim / ratio`` values each); with CSA, the same slice of the indexer's key and a
+    ``1 / block_size`` share of the block's *tail* — the projections of its last window that the
+    next window's overlapping compression reads (:func:`tail_values`). Every layer gets the widest
     layer's parts."""
     v4 = config.v4
     parts = [(WINDOW_KV, v4.head_dim)]
     if v4.ratios:
-        width = (2 if v4.has_csa else 1) * v4.head_dim
-        parts += [(COMP_KV, width), (COMP_GATE, width), (ENTRY, v4.head_dim)]
+        parts.append((ENTRY, v4.head_dim // min(v4.ratios)))
     if v4.has_csa:
-        idx = v4.index_head_dim
-        parts += [(INDEX_KV, 2 * idx), (INDEX_GATE, 2 * idx), (INDEX_ENTRY, idx)]
+        parts += [
+            (INDEX_ENTRY, v4.index_head_dim // _csa_ratio(v4)),
+            (TAIL, -(-tail_values(v4) // block_size)),
+        ]
     return KVLayout(tuple(parts), config.num_layers, dtype)
+
+
+def _csa_ratio(v4: V4Attention) -> int:
+    return next(r for k, r in zip(v4.layer_kinds, v4.compress_ratios, strict=True) if k == CSA)
+
+
+def tail_values(v4: V4Attention) -> int:
+    """Values of a CSA layer's block tail: the first halves of its last window's compressor key and
+    gate projections (``ratio x head_dim`` each) and of the indexer's (``ratio x index_head_dim``)."""
+    return _csa_ratio(v4) * 2 * (v4.head_dim + v4.index_head_dim)
+
+
+def state_bytes_per_request(config: ModelConfig, dtype: torch.dtype) -> int:
+    """The most bytes of compressor projections a running request keeps outside the cache: per
+    compressed layer the open window's tokens (``ratio - 1``) and, with CSA's overlap, the last
+    whole window's (``ratio``), each a key and a gate of ``2 * head_dim`` (CSA, plus the indexer's
+    ``2 * index_head_dim``) or ``head_dim`` (HCA)."""
+    v4, itemsize = config.v4, torch.empty(0, dtype=dtype).element_size()
+    values = 0
+    for kind, ratio in zip(v4.layer_kinds, v4.compress_ratios, strict=True):
+        if kind == CSA:
+            values += (2 * ratio - 1) * 2 * 2 * (v4.head_dim + v4.index_head_dim)
+        elif kind == HCA:
+            values += (ratio - 1) * 2 * v4.head_dim
+    return values * itemsize
 
 
 def check_block_size(config: ModelConfig, block_size: int) -> None:
@@ -377,6 +413,7 @@ class V4AttentionLayer(nn.Module):
         )
         self.rope = ropes["main" if self.kind == SLIDING else "compress"]
         self.compress_rope = ropes["compress"]
+        self.held: dict[int, _Held] = {}
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cache: LayerCache) -> torch.Tensor:
         q_residual = self.q_norm(self.wq_a(x))
@@ -418,28 +455,38 @@ class V4AttentionLayer(nn.Module):
         return self.rope(out, pos, inverse=True)
 
     def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache):
-        """This segment's new compressed entries written at their windows' last tokens; ->
-        ``(entries [E, hd], visible [L, E])`` of every entry up to the segment's end."""
+        """Compress the windows this segment completes, writing each entry as ``ratio`` slices at
+        its tokens (and, at a block's end, CSA's tail); -> ``(entries [E, hd], visible [L, E])``
+        of every entry up to the segment's end."""
         m, end = self.ratio, s.start + s.length
-        here = slots[s.start : end]
         comp = self.compressor
-        cache.part(COMP_KV)[here, : comp.wkv.out_features] = comp.wkv(x)
-        cache.part(COMP_GATE)[here, : comp.wgate.out_features] = comp.wgate(x)
+        projected = [comp.wkv(x), comp.wgate(x)]
         if self.indexer is not None:
             ic = self.indexer.compressor
-            cache.part(INDEX_KV)[here] = ic.wkv(x)
-            cache.part(INDEX_GATE)[here] = ic.wgate(x)
+            projected += [ic.wkv(x), ic.wgate(x)]
+        held = self._resume(s.seq, s.start, slots, cache)
+        first = held.start
+        rows = [torch.cat([old, new]) for old, new in zip(held.rows, projected, strict=True)]
         lo, hi = (s.start + m) // m - 1, end // m  # windows completing here: lo .. hi - 1
         if hi > lo:
-            self._write_entries(comp, COMP_KV, COMP_GATE, ENTRY, lo, hi, slots, cache)
+            prior = 1 if comp.overlap and lo > 0 else 0
+            span = slice((lo - prior) * m - first, hi * m - first)
+            at = torch.arange(lo, hi, device=x.device)
+            tokens = slots[lo * m : hi * m]
+            entries = self.compress_rope(comp.entries(rows[0][span], rows[1][span], lo), at * m)
+            cache.part(ENTRY)[tokens, : comp.dim // m] = entries.reshape(-1, comp.dim // m)
             if self.indexer is not None:
-                ic = self.indexer.compressor
-                self._write_entries(ic, INDEX_KV, INDEX_GATE, INDEX_ENTRY, lo, hi, slots, cache)
-        ends = slots[torch.arange(1, hi + 1, device=x.device) * m - 1]
-        entries = gather(cache.part(ENTRY), ends)
+                keys = self.compress_rope(ic.entries(rows[2][span], rows[3][span], lo), at * m)
+                cache.part(INDEX_ENTRY)[tokens] = keys.reshape(-1, ic.dim // m)
+        if self.indexer is not None:
+            self._write_tails(s, rows, first, slots, cache)
+        keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
+        self.held[s.seq] = _Held(keep, end, [r[keep - first :] for r in rows])
+        context = slots[: hi * m]
+        entries = gather(cache.part(ENTRY), context)[:, : comp.dim // m].reshape(hi, comp.dim)
         visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
         if self.indexer is not None and hi:
-            keys = gather(cache.part(INDEX_ENTRY), ends)
+            keys = gather(cache.part(INDEX_ENTRY), context).reshape(hi, ic.dim)
             scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
             scores = scores.masked_fill(~visible, float("-inf"))
             chosen = scores.topk(min(self.v4.index_topk, hi), dim=-1).indices
@@ -448,19 +495,67 @@ class V4AttentionLayer(nn.Module):
             visible = visible & picked
         return entries, visible
 
-    def _write_entries(
-        self, comp: Compressor, kv_part, gate_part, entry_part, lo, hi, slots, cache
-    ):
-        """Compress windows ``lo .. hi - 1`` from the cached projections of their tokens."""
-        m, width = comp.ratio, comp.wkv.out_features
-        prior = 1 if comp.overlap and lo > 0 else 0
-        tokens = slots[(lo - prior) * m : hi * m]
-        kv = gather(cache.part(kv_part), tokens)[:, :width]
-        gate = gather(cache.part(gate_part), tokens)[:, :width]
-        entries = comp.entries(kv, gate, lo)
-        at = torch.arange(lo, hi, device=kv.device)
-        rotated = self.compress_rope(entries, at * m)
-        cache.part(entry_part)[slots[(at + 1) * m - 1], : comp.dim] = rotated
+    def _tail_split(self) -> list[int]:
+        m, hd, idx = self.ratio, self.head_dim, self.indexer.compressor.dim
+        return [m * hd, m * hd, m * idx, m * idx]
+
+    def _write_tails(self, s: Segment, rows, first: int, slots, cache: LayerCache) -> None:
+        """For every block this segment completes: the first halves of its last window's
+        projections, spread over the block's tokens' ``tail`` part."""
+        m, block = self.ratio, cache.step.cache.block_size
+        end = s.start + s.length
+        part = cache.part(TAIL)
+        for boundary in range((s.start // block + 1) * block, end + 1, block):
+            window = slice(boundary - m - first, boundary - first)
+            halves = [r[window, : r.shape[-1] // 2].reshape(-1) for r in rows]
+            values = torch.cat(halves).to(part.dtype)
+            padded = values.new_zeros(block * part.shape[-1])
+            padded[: values.numel()] = values
+            part[slots[boundary - block : boundary]] = padded.view(block, -1)
+
+    def _resume(self, seq: int, start: int, slots, cache: LayerCache) -> _Held:
+        """The projections ``seq`` holds from before ``start``: its own from the last segment, or
+        rebuilt at a block boundary (nothing open; with CSA, the previous block's tail)."""
+        held = self.held.get(seq)
+        if held is not None and held.end == start:
+            return held
+        comp = self.compressor
+        widths = [comp.wkv.out_features, comp.wgate.out_features]
+        if self.indexer is not None:
+            widths += [self.indexer.compressor.wkv.out_features] * 2
+        dtype, device = comp.wkv.weight.dtype, comp.wkv.weight.device
+        if start == 0 or (start % cache.step.cache.block_size == 0 and not comp.overlap):
+            return _Held(
+                start, start, [torch.zeros(0, w, dtype=dtype, device=device) for w in widths]
+            )
+        block = cache.step.cache.block_size
+        if start % block:
+            raise RuntimeError(
+                f"sequence {seq}: a DeepSeek-V4 layer resumes at block boundaries only, not at "
+                f"position {start} (block_size={block})"
+            )
+        m = self.ratio
+        flat = gather(cache.part(TAIL), slots[start - block : start]).reshape(-1)
+        halves = flat[: sum(self._tail_split())].split(self._tail_split())
+        rows = []
+        for half, width in zip(halves, widths, strict=True):
+            row = torch.zeros(m, width, dtype=dtype, device=device)
+            row[:, : width // 2] = half.view(m, width // 2).to(dtype)
+            rows.append(row)
+        return _Held(start - m, start, rows)
+
+    def release(self, seq: int) -> None:
+        self.held.pop(seq, None)
+
+
+@dataclass
+class _Held:
+    """A sequence's compressor projections of positions ``start .. end - 1`` (key and gate, and the
+    indexer's with CSA) that later windows still read."""
+
+    start: int
+    end: int
+    rows: list[torch.Tensor]
 
 
 class HyperConnection(nn.Module):
@@ -608,6 +703,12 @@ class DeepseekV4(nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
+
+    def release(self, seq: int) -> None:
+        """Forget what ``seq`` holds outside the cache (it finished or was preempted)."""
+        for layer in self.layers:
+            if layer.attn.compressor is not None:
+                layer.attn.release(seq)
 
 
 # ---------------------------------------------------------------------------------------- loading
