@@ -299,7 +299,8 @@ def test_model_with_a_shipped_calibration_names_it_and_its_source():
 
 def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
     """A 3-node prefill unit's all-to-all is NVLink-bound on H800 and RDMA-bound on H100: hidden
-    behind computation with two micro-batches, it shows with one (docs/serving-model.md)."""
+    behind computation with two micro-batches (but for the SMs it holds while it runs), it shows
+    with one (docs/serving-model.md)."""
 
     def step_ms(hardware, micro_batches):
         result = cli(
@@ -311,7 +312,7 @@ def test_model_with_one_micro_batch_exposes_nvlink_where_it_binds():
         assert payload["micro_batches"] == micro_batches
         return payload["step_ms"]
 
-    assert step_ms("h100", 2) == pytest.approx(step_ms("h800", 2))
+    assert step_ms("h100", 2) == pytest.approx(step_ms("h800", 2), rel=0.02)
     assert step_ms("h100", 1) == pytest.approx(step_ms("h800", 1) * 0.94, rel=0.02)
 
 

@@ -117,8 +117,9 @@ def test_h100_and_h800_differ_where_nvlink_binds():
     # 2 nodes: H800's NVLink forward binds, H100's does not -> half the all-to-all time
     h800, h100 = _prefill("h800", 2), _prefill("h100", 2)
     assert h100.comm.sum() == pytest.approx(h800.comm.sum() * 0.496, rel=0.02)
-    # ... hidden behind compute with two micro-batches, exposed with one
-    assert h100.step_s == pytest.approx(h800.step_s, rel=1e-6)
+    # ... hidden behind compute with two micro-batches (but for the SMs it holds while it runs:
+    # the attention beside the shorter combine gets them back sooner), exposed with one
+    assert 0.96 * h800.step_s < h100.step_s < h800.step_s
     assert _prefill("h100", 2, 1).step_s < 0.85 * _prefill("h800", 2, 1).step_s
     # 4 nodes: RDMA-bound on both, the same
     assert _prefill("h100", 4).comm.sum() == pytest.approx(_prefill("h800", 4).comm.sum())

@@ -77,22 +77,30 @@ def test_request_and_kv_imbalance_scale_the_slowest_rank():
 def test_prefill_core_attention_is_the_roofline_of_its_flops_and_kv_bytes():
     # Per micro-batch of nb tokens attending `keys` keys each: FLOPs 2 * heads * (qk + v) * nb * keys
     # (128 heads, qk 192, v 128) and KV read nb * 2 * (512 + 64) bytes (BF16 latent + rope);
-    # time = attention_time * max(FLOPs / (bf16 peak * eff * SM share), bytes / (HBM * eff)).
+    # time = attention_time * max(compute, bytes / (HBM * eff)), compute on the SM share the
+    # all-to-all leaves while the other micro-batch's combine runs (it starts with the
+    # projections), on every SM after: min(full / share, full + (combine - proj) * (1 - share)).
     perf = PerfModel(Deployment("prefill", nodes=4), H800)
     eff, m = perf.eff, perf.model
     assert (m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim) == (128, 192, 128)
     assert m.kv_values_per_token_layer == 512 + 64
-    nb, keys = 8192, 1000.0
-    flops = 2 * 128 * (192 + 128) * nb * keys
-    kv_bytes = nb * 2 * m.kv_values_per_token_layer
-    expect = eff.attention_time * max(
-        flops / (H800.bf16_tflops * 1e12 * eff.attention_compute * eff.prefill_compute_sms),
-        kv_bytes / (H800.hbm_tb_per_s * 1e12 * eff.memory),
-    )
-    b = perf.prefill_breakdown(16384, attn_keys_per_token=keys)
-    assert b.parts["core_attn"][0] == pytest.approx(2 * expect, rel=1e-12)
-    # linear in the keys attended once compute-bound
-    b2 = perf.prefill_breakdown(16384, attn_keys_per_token=2 * keys)
+    for keys in (1000.0, 30_000.0):  # the combine outlasts the attention / ends early in it
+        nb = 8192
+        flops = 2 * 128 * (192 + 128) * nb * keys
+        kv_bytes = nb * 2 * m.kv_values_per_token_layer
+        b = perf.prefill_breakdown(16384, attn_keys_per_token=keys)
+        proj, combine = b.parts["attn_proj"][10] / 2, b.parts["combine"][10] / 2
+        full = flops / (H800.bf16_tflops * 1e12 * eff.mha_prefill_compute)
+        share = eff.prefill_compute_sms
+        compute = min(full / share, full + (combine - proj) * (1 - share))
+        assert (compute == full / share) == (keys == 1000.0)
+        expect = eff.attention_time * max(
+            compute, kv_bytes / (H800.hbm_tb_per_s * 1e12 * eff.memory)
+        )
+        assert b.parts["core_attn"][0] == pytest.approx(2 * expect, rel=1e-12)
+    # linear in the keys attended once compute-bound, while the combine outlasts it
+    b = perf.prefill_breakdown(16384, attn_keys_per_token=1000.0)
+    b2 = perf.prefill_breakdown(16384, attn_keys_per_token=2000.0)
     assert b2.parts["core_attn"][0] == pytest.approx(2 * b.parts["core_attn"][0], rel=1e-12)
     assert np.all(b2.parts["attn_proj"] == b.parts["attn_proj"])
 

@@ -52,6 +52,20 @@ DEEPGEMM_H800_TFLOPS: dict[str, dict[int, float]] = {
 H800_FP8_TFLOPS = 1979.0
 _GROUPED = ("_contiguous", "_masked")
 
+#: DeepSeek's own kernel for MLA's MHA mode (128 heads, q.k over 192 dimensions, v 128; V3's and
+#: V3.1's prefill, per the V3.2-Exp report's appendix), as DeepSeek's published H800 training
+#: profile times it (github.com/deepseek-ai/profile-data ``train.json``, shipped as
+#: ``examples/data/deepseek_train_trace.json``): four causal forward calls over one 4,096-token
+#: sequence (``flash::compute_attn_ws<Flash_fwd_kernel_traits<192, 128, 128, ...>>``, a
+#: FlashAttention-3 kernel), 1,248 / 1,199 / 1,280 / 1,221 us, each beside a DeepEP dispatch that
+#: holds 20 of the 132 SMs (20 blocks; an attention block's 384 threads x 168 registers fill an
+#: SM's register file, so the two never share an SM). FLOPs of one call and its mean seconds:
+MHA_TRACE_FLOPS = 2 * 128 * (192 + 128) * 4096 * 4097 / 2
+MHA_TRACE_SECONDS = (1248 + 1199 + 1280 + 1221) / 4 * 1e-6
+MHA_TRACE_SMS = 132 - 20
+#: -> 556 TFLOPS on 112 SMs: 0.662 of the BF16 peak of the SMs it ran on.
+MHA_PREFILL_SHARE = MHA_TRACE_FLOPS / MHA_TRACE_SECONDS / (989e12 * MHA_TRACE_SMS / 132)
+
 
 def _rows_table(role: str, tables: dict[str, dict[int, float]]) -> dict[int, float]:
     """TFLOPS by rows for ``role``; a grouped kernel's table is extended below its smallest
@@ -83,13 +97,21 @@ class Efficiency:
         GEMM's figures, and fewer rows than 64 cost as many as 64 (bound by reading the weights).
     gemm: DeepGEMM up to 1,350 of 1,979 FP8 TFLOPS -> 0.682, for the GEMMs the table does not
         list (MoE gate, dense MLPs of the first layers, LM head), with the HBM roofline.
-    attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586.
+    attention_compute: FlashMLA 580 of 989 BF16 TFLOPS -> 0.586 (dense decoding: MLA's MQA mode).
+    mha_prefill_compute: MLA's MHA mode in prefill (V3's dense prefill, V3.2's masked MHA mode):
+        DeepSeek's FlashAttention-3 kernel at 0.662 of the BF16 peak of the SMs it runs on, timed
+        in DeepSeek's H800 training profile (:data:`MHA_PREFILL_SHARE`).
     sparse_prefill_compute / sparse_decode_compute: FlashMLA's token-level sparse kernels (MLA's
         MQA mode over the keys DeepSeek Sparse Attention selects), 640 and 410 of 989 BF16 TFLOPS
         on H800 (README, 2025-09-29; the decode kernel reads an FP8 cache) -> 0.647 / 0.415.
     memory: FlashMLA 3,000 of 3,350 GB/s -> 0.896 (all HBM-bound reads).
     nvlink: DeepEP intranode 153 of 160 GB/s -> 0.956.
-    prefill_compute_sms: 108 of 132 SMs compute while 24 run the all-to-all (prefill only).
+    prefill_compute_sms: 108 of 132 SMs compute while 24 run the all-to-all (prefill only). The
+        GEMMs (DeepGEMM's persistent kernels, the indexer's logits among them) are launched on
+        that share for the whole step — DeepSeek's profile launches them on 112 = 132 - 20 SMs
+        beside its 20-SM all-to-all; the attention kernels (a block per tile: FlashAttention's,
+        FlashMLA's sparse prefill) take every SM the all-to-all does not hold, so the share
+        slows them only while the all-to-all runs (:meth:`PerfModel._beside_all_to_all`).
     rdma_normal / nvlink_normal: (dispatch, combine) shares of the NIC's and of NVLink's bandwidth
         DeepEP's normal kernels achieve across nodes, derived from DeepEP's published H800 figures
         (:mod:`moeinfra.serving.deepep`); a kernel takes the longer of its RDMA and NVLink stages.
@@ -137,6 +159,7 @@ class Efficiency:
     )
     gemm: float = 1350.0 / 1979.0
     attention_compute: float = 580.0 / 989.0
+    mha_prefill_compute: float = MHA_PREFILL_SHARE
     sparse_prefill_compute: float = 640.0 / 989.0
     sparse_decode_compute: float = 410.0 / 989.0
     memory: float = 3000.0 / 3350.0
@@ -513,27 +536,46 @@ class PerfModel:
         flops = 2 * m.num_heads * (m.kv_values_per_token_layer + m.kv_lora_rank) * queries
         return self._attention(factor, flops * selected, bytes_read, sm, compute)
 
-    def _prefill_attention(self, nb: float, keys: float, cached_per_token: float, sm: float):
+    @staticmethod
+    def _beside_all_to_all(full_s, sm: float, comm_s):
+        """Seconds of an attention kernel that takes ``full_s`` on every SM, started while an
+        all-to-all holding the ``1 - sm`` share of the SMs has ``comm_s`` seconds left: it runs
+        on the ``sm`` share until the all-to-all ends and on every SM after,
+        ``min(full / sm, full + comm * (1 - sm))`` (all of it on the share when it ends first)."""
+        if sm >= 1.0:
+            return full_s
+        return np.minimum(full_s / sm, full_s + np.maximum(comm_s, 0.0) * (1.0 - sm))
+
+    def _prefill_attention(
+        self, nb: float, keys: float, cached_per_token: float, sm: float, combine: float = 0.0
+    ):
         """(MLA projections, core attention, indexer) seconds of a prefill micro-batch of ``nb``
-        tokens attending to ``keys`` keys each. Dense: MHA mode over every key (the cached prefix'
-        latent up-projected). Sparse (V3.2): the indexer, and the cheaper of DeepSeek's two
-        kernels — MLA's MQA mode over the ``index_topk`` selected keys (FlashMLA's sparse prefill;
-        no up-projection of the prefix) or, for short contexts, MHA mode over all of them with the
-        selection as a mask (the report's "masked MHA mode")."""
+        tokens attending to ``keys`` keys each, beside the other micro-batch's combine
+        (``combine`` seconds, which starts with this segment). Dense: MHA mode over every key
+        (the cached prefix' latent up-projected; :attr:`Efficiency.mha_prefill_compute`). Sparse
+        (V3.2): the indexer, and the cheaper of DeepSeek's two kernels — MLA's MQA mode over the
+        ``index_topk`` selected keys (FlashMLA's sparse prefill; no up-projection of the prefix)
+        or, for short contexts, MHA mode over all of them with the selection as a mask (the
+        report's "masked MHA mode"). Projections and indexer are GEMMs on the ``sm`` share; the
+        core attention runs after them, on that share only while the combine lasts."""
         m, eff = self.model, self.eff
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         up_tokens = nb * (1 + cached_per_token)
         kv_bytes = up_tokens * m.latent_bytes_per_token_layer
         proj = self._mla_projections(nb, up_tokens, sm)
-        core = self._attention(
-            eff.attention_time, 2 * m.num_heads * (qk + m.v_head_dim) * nb * keys, kv_bytes, sm
-        )
+        # the roofline's two sides: compute on every SM, and reading the KV (which the SM share
+        # does not slow)
+        mha_flops = 2 * m.num_heads * (qk + m.v_head_dim) * nb * keys
+        mha = self._attention(eff.attention_time, mha_flops, 0.0, compute=eff.mha_prefill_compute)
+        read = self._attention(eff.attention_time, 0.0, kv_bytes)
         if not m.sparse:
-            return proj, core, 0.0
+            return proj, float(max(self._beside_all_to_all(mha, sm, combine - proj), read)), 0.0
         indexer = float(self._indexer(nb, keys, up_tokens, sm))
+        core = float(max(self._beside_all_to_all(mha, sm, combine - proj - indexer), read))
         sparse_proj = self._mla_projections(nb, nb, sm)
-        sparse = self._sparse_mla(
-            eff.attention_time, nb, keys, kv_bytes, eff.sparse_prefill_compute, sm
+        sparse = self._sparse_mla(eff.attention_time, nb, keys, 0.0, eff.sparse_prefill_compute)
+        sparse = float(
+            max(self._beside_all_to_all(sparse, sm, combine - sparse_proj - indexer), read)
         )
         if sparse_proj + sparse < proj + core:
             return sparse_proj, sparse, indexer
@@ -551,7 +593,7 @@ class PerfModel:
             return keys
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         bf16 = hw.bf16_tflops * 1e12
-        mha = 2 * m.num_heads * (qk + m.v_head_dim) * keys / (bf16 * eff.attention_compute)
+        mha = 2 * m.num_heads * (qk + m.v_head_dim) * keys / (bf16 * eff.mha_prefill_compute)
         mqa = (
             2
             * m.num_heads
@@ -648,7 +690,6 @@ class PerfModel:
         mb = self.dep.micro_batches
         nb = n / mb
         sm = eff.prefill_compute_sms if mb == 2 and self.gpus > 1 else 1.0
-        attn_proj, core, indexer = self._prefill_attention(nb, keys, cached_per_token, sm)
         shared = self._experts("", nb, m.num_shared_experts, sm)
         routed = self._experts("_contiguous", self._rows_per_expert(nb), self._slots, sm)
         gate = self._gemm(
@@ -657,6 +698,9 @@ class PerfModel:
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
         routed, dispatch, combine, sources = self._measured(nb, sm, routed, dispatch, combine)
+        attn_proj, core, indexer = self._prefill_attention(
+            nb, keys, cached_per_token, sm, float(combine)
+        )
         parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
         return self._assemble(
             "prefill",

@@ -3,12 +3,16 @@ to prefill and to decode, the curve DeepSeek published for V3.1-Terminus against
 (V3.2-Exp report, Figure 3; digitised in ``data/measurements/deepseek-v32-cost-by-position.json``).
 
 Prefill: a step of ``tokens_per_gpu`` tokens on every GPU of a prefill unit, each attending to ``p``
-keys (a chunk of a long prompt at that depth). Decode: a step of ``decode_batch_per_gpu`` requests
-per GPU of a decode unit, each with ``p`` cached tokens. Either way the step's GPU-seconds are
-shared by the tokens it makes, at the hardware's price: ``step_s / tokens per GPU x gpu_hour_usd /
-3600 x 1e6``. A batch of 128 requests all at 128K is not one a GPU holds (it is the cost the token
-at that position adds to a step of the unit's usual batch, as the figure attributes it): every part
-of the step that does not depend on the position is shared as in any batch.
+keys: a chunk of a long prompt whose tokens sit at ``p`` on average, so ``p - tokens_per_gpu / 2``
+tokens of its prompt came before it (a cached prefix, whose latent MHA mode up-projects again for
+the chunk, and whose index keys V3.2's indexer reads). The figure plots "how token costs ... vary
+with the token position": the cost of the token at ``p``, not the mean over a prompt of length
+``p``. Decode: a step of ``decode_batch_per_gpu`` requests per GPU of a decode unit, each with
+``p`` cached tokens. Either way the step's GPU-seconds are shared by the tokens it makes, at the
+hardware's price: ``step_s / tokens per GPU x gpu_hour_usd / 3600 x 1e6``. A batch of 128 requests
+all at 128K is not one a GPU holds (it is the cost the token at that position adds to a step of the
+unit's usual batch, as the figure attributes it): every part of the step that does not depend on
+the position is shared as in any batch.
 """
 
 from __future__ import annotations
@@ -89,7 +93,12 @@ def position_cost(
     n = float(prefill.dep.tokens_per_gpu)
     prefill_usd = np.array(
         [
-            prefill.prefill_breakdown(attn_keys_per_token=p, prompt_len=max(p, n)).step_s / n
+            prefill.prefill_breakdown(
+                cached_per_token=max(p - n / 2, 0.0) / n,
+                attn_keys_per_token=p,
+                prompt_len=max(p, n),
+            ).step_s
+            / n
             for p in positions
         ]
     )
