@@ -8,25 +8,27 @@ Run: ``.venv/bin/python -m benchmarks.bench_sparse_attention [--reps 5] [--max-c
 Three tiny checkpoints written alike (``init_tiny``, bpe tokenizer, float32, same seed, hidden 64,
 4 heads, 16 experts): V3; V3.2 with DeepSeek's ``index_topk`` 2048 and an indexer of 4 heads of 16
 (:data:`INDEXER`); V4 with one layer of each kind (window only, CSA, HCA), DeepSeek's
-``sliding_window`` 128 and compress ratios 4 and 128, V4-Flash's ``index_topk`` 512 and the same
-small indexer (:data:`V4`). For every context ``L`` and batch ``B`` the engine's cache holds ``B``
-requests of ``L`` earlier tokens (random cache contents: a decode step's cost does not depend on
-their values; V4's compressed entries are read from it, :func:`v4_reads` checks how many), and one
-decode step of ``B`` tokens is timed — the whole step (embedding to final norm) and its attention:
+``sliding_window`` 128 and compress ratios 4 and 128, V4-Flash's ``index_topk`` 512, the same
+small indexer and ``head_dim`` 128 (:data:`V4`). For every context ``L`` and batch ``B`` the
+engine's cache holds ``B`` requests of ``L`` earlier tokens (random cache contents: a decode step's
+cost does not depend on their values; V4's compressed entries are read from it, :func:`v4_reads`
+checks how many), and decode steps of ``B`` tokens at positions ``L, L + 1, ...`` are timed — the
+whole step (embedding to final norm) and its attention:
 
 - V3, V3.2: "MLA", every layer's paged attention (cache write, gather, attention, output
   projection) less the V3.2 indexer's scoring and top-k ("indexer", O(context) by design);
 - V4: "attention", every layer's ``V4AttentionLayer`` (query and window-key projections, the
   window and compressed entries' attention, output projection) less its ``_compressed`` part
-  ("compressed": the new token's compressor projections, the gather of every compressed entry and
-  index key, the indexer's scoring and top-k).
+  ("compressed": the new token's compressor projections, the entries of windows it completes,
+  the gather of every compressed entry and index key, the indexer's scoring and top-k).
 
 ``transformers``' V3.2 and V4 (eager, batch 1) fill their caches with the same context in chunks,
 then one decode step is timed; a larger context is skipped once the previous fill, doubled, would
 pass ``--transformers-budget`` seconds. Medians of ``--reps``; one thread per process, as the
 engine's CI machine gives. Then the KV cache per token and per request at each context of
-DeepSeek's published configs: the engine's allocation (its :class:`KVLayout`) and DeepSeek's own
-layout (:meth:`moeinfra.serving.arch.Architecture.kv_bytes`).
+DeepSeek's published configs: the engine's allocation (its :class:`KVLayout`, and V4's state
+held per request) and DeepSeek's own layout (:meth:`moeinfra.serving.arch.Architecture.kv_bytes`,
+:attr:`~moeinfra.serving.arch.Architecture.compressor_state_bytes`).
 """
 
 from __future__ import annotations
@@ -62,10 +64,15 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 # than the attention it saves.
 INDEXER = {"index_topk": 2048, "index_n_heads": 4, "index_head_dim": 16}
 # DeepSeek-V4 at the tiny V3's scale (hidden 64, 4 heads, 16 experts, 3 layers) with DeepSeek's
-# window and ratios and one layer of each kind; V4-Flash's index_topk 512 and V3.2's bench indexer
-# (4 x 16 per compressed key against the attention's 4 heads x 2 x 32 = 256 per entry).
+# window and ratios and one layer of each kind; V4-Flash's index_topk 512 and V3.2's bench indexer.
+# head_dim 128, not the tiny 32: the engine caches each entry as 1/ratio slices over its window's
+# tokens, so head_dim must be a multiple of 128 (HCA); RoPE on 16 of them, DeepSeek's 1/8. Work per
+# entry: the attention's 4 heads x 2 x 128 = 1,024 multiply-adds, the indexer's 4 x 16 = 64.
 V4 = {
     "num_hidden_layers": 3,
+    "head_dim": 128,
+    "qk_rope_head_dim": 16,
+    "partial_rotary_factor": 0.125,
     "layer_types": [V4_SLIDING, V4_CSA, V4_HCA],
     "mlp_layer_types": ["hash_moe", "moe", "moe"],
     "compress_rates": {V4_CSA: 4, V4_HCA: 128},
@@ -161,33 +168,41 @@ class _Clock:
         setattr(self.owner, self.name, self.inner)
 
 
-def _filled_cache(arch, config, context: int, batch: int):
-    """A paged cache holding ``batch`` requests of ``context`` random earlier tokens (blocks hold
-    whole V4 compression windows) -> ``(StepCache, segments)`` of one decode step."""
-    block = math.lcm(BLOCK, *(config.v4.ratios if config.v4 else ()))
-    blocks_per_seq = -(-(context + 1) // block)
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32), blocks_per_seq * batch, block)
+def _block_size(config) -> int:
+    """The engine's block size, or the least multiple of it that holds whole V4 windows."""
+    return math.lcm(BLOCK, *(config.v4.ratios if config.v4 else ()))
+
+
+def _filled_cache(arch, config, context: int, batch: int, steps: int = 1) -> StepCache:
+    """A paged cache holding ``batch`` requests of ``context`` random earlier tokens, with room
+    for ``steps`` decode steps each."""
+    block = _block_size(config)
+    blocks_per_seq = -(-(context + steps) // block)
+    layout = arch.kv_layout(config, torch.float32, block)
+    cache = PagedKVCache(layout, blocks_per_seq * batch, block)
     torch.manual_seed(0)
     cache.data.normal_()
     slots = {
         b: StepCache.slots_of(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), block)
         for b in range(batch)
     }
-    return StepCache(cache, slots), [Segment(b, context, 1) for b in range(batch)]
+    return StepCache(cache, slots)
 
 
 def engine_step(path: Path, timed: Timed, context: int, batch: int, reps: int):
-    """Median ``(step_s, attention_s, part_s)`` of one decode step of ``batch`` requests at
-    ``context`` (``attention_s`` less ``part_s``; see :class:`Timed`)."""
+    """Median ``(step_s, attention_s, part_s)`` of a decode step of ``batch`` requests after
+    ``context`` tokens (``attention_s`` less ``part_s``; see :class:`Timed`): ``reps + 1``
+    consecutive steps (positions ``context, context + 1, ...``), the first a warm-up."""
     arch, config, model = _model(path)
-    step, segments = _filled_cache(arch, config, context, batch)
+    filled = _filled_cache(arch, config, context, batch, reps + 1)
     ids = torch.arange(3, 3 + batch)
     steps, attention, part = [], [], []
     with _Clock(*timed.attention) as whole, _Clock(*timed.part) as inner:
-        for _ in range(reps + 1):  # the first warms up
+        for i in range(reps + 1):
+            segments = [Segment(b, context + i, 1) for b in range(batch)]
             whole.seconds = inner.seconds = 0.0
             start = time.perf_counter()
-            model(ids, segments, StepCache(step.cache, step.slots), "none")
+            model(ids, segments, StepCache(filled.cache, filled.slots), "none")
             steps.append(time.perf_counter() - start)
             attention.append(whole.seconds - inner.seconds)
             part.append(inner.seconds)
@@ -199,14 +214,14 @@ def v4_reads(path: Path, context: int) -> dict[str, tuple[int, int]]:
     ``context`` tokens, as the engine's step reads them from the cache; raises unless they are
     what DeepSeek-V4 attends to (:meth:`Architecture.attended_entries`)."""
     arch, config, model = _model(path)
-    step, segments = _filled_cache(arch, config, context, 1)
+    step = _filled_cache(arch, config, context, 1)
 
     def entries(args, out):
         layer, (found, visible) = args[0], out
         return layer.kind, found.shape[0], int(visible.sum(-1).max())
 
     with _Clock(deepseek_v4.V4AttentionLayer, "_compressed", entries) as probe:
-        model(torch.tensor([3]), segments, step, "none")
+        model(torch.tensor([3]), [Segment(0, context, 1)], step, "none")
     formula = Architecture.from_config(read_config(path), "tiny V4")
     reads = {kind: (found, attended) for kind, found, attended in probe.seen}
     for layer, kind in enumerate(config.v4.layer_kinds):
@@ -248,15 +263,17 @@ def transformers_step(path: Path, context: int, reps: int, chunk: int = 512):
 
 @dataclass(frozen=True)
 class KVRow:
-    """One published model's KV cache: the engine's allocation in bf16 (bytes per token, a
-    constant) and DeepSeek's layout per request at each context, in bf16 and fp8
-    (``{context: bytes}``), and V4's per-request compressor state."""
+    """One published model's KV cache in bf16: the engine's allocation per token (a constant, at
+    the least block size holding whole V4 windows) and the most bytes a V4 request holds outside
+    it (open windows' compressor projections); DeepSeek's layout per request at each context, in
+    bf16 and fp8 (``{context: bytes}``), and its compressor state per request."""
 
     name: str
     engine_per_token: int
+    engine_state: int
     deepseek_bf16: dict[int, int]
     deepseek_fp8: dict[int, int]
-    compressor_state: int
+    deepseek_state: int
 
 
 def kv_bytes(contexts=CONTEXTS) -> list[KVRow]:
@@ -264,12 +281,15 @@ def kv_bytes(contexts=CONTEXTS) -> list[KVRow]:
     for name in PUBLISHED:
         raw = published_config(name)
         arch = architecture(raw["model_type"])
-        layout = arch.kv_layout(arch.parse_config(raw, name), torch.bfloat16)
+        config = arch.parse_config(raw, name)
+        layout = arch.kv_layout(config, torch.bfloat16, _block_size(config))
+        state = deepseek_v4.state_bytes_per_request(config, torch.bfloat16) if config.v4 else 0
         formula = Architecture.from_config(raw, name)
         rows.append(
             KVRow(
                 name,
                 layout.bytes_per_token,
+                state,
                 {c: formula.kv_bytes(c, "bf16") for c in contexts},
                 {c: formula.kv_bytes(c, "fp8") for c in contexts},
                 formula.compressor_state_bytes,
@@ -294,17 +314,18 @@ def _print_kv(contexts) -> None:
             f"{r.deepseek_bf16[c] / c:,.0f} / {r.deepseek_fp8[c] / c:,.0f}" for c in contexts
         )
         print(f"| {r.name} | {r.engine_per_token:,} | {cells} |")
-    print("\nPer request (MiB, bf16): engine / DeepSeek's layout (+ V4's compressor state):\n")
-    print(f"| model | {heads} |")
-    print(f"|---|{'---|' * len(contexts)}")
+    print("\nPer request (MiB, bf16): the engine's cache / DeepSeek's layout; V4's compressor")
+    print("state besides (engine: bf16 projections held per request; DeepSeek's: float32):\n")
+    print(f"| model | state | {heads} |")
+    print(f"|---|---|{'---|' * len(contexts)}")
     mib = 2**20
     for r in rows:
         cells = " | ".join(
             f"{r.engine_per_token * c / mib:,.1f} / {r.deepseek_bf16[c] / mib:,.1f}"
             for c in contexts
         )
-        state = f" (+{r.compressor_state / mib:,.1f})" if r.compressor_state else ""
-        print(f"| {r.name}{state} | {cells} |")
+        state = f"{r.engine_state / mib:,.1f} / {r.deepseek_state / mib:,.1f}"
+        print(f"| {r.name} | {state if r.deepseek_state else '—'} | {cells} |")
 
 
 def main() -> None:
