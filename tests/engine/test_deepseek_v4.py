@@ -372,3 +372,26 @@ def test_fp4_tensor_without_its_scale_names_file_and_tensor(tmp_path):
         LLM(path)
     assert f"tensor {name} is FP4 but {name}_scale_inv is missing" in str(err.value)
     assert "model.safetensors" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_decode_query_reads_only_its_chosen_entries(v4_path, monkeypatch):
+    """Sparse for real: past index_topk entries a CSA decode query gathers index_topk entries'
+    slices (ratio rows each), not the context's; the indexer's keys are read whole, by design."""
+    from moeinfra.engine.models import deepseek_v4
+
+    arch, config, model = one_rank_model(v4_path)
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
+    step = StepCache(cache, {0: StepCache.slots_of(list(range(8)), 16)})
+    model(torch.arange(3, 103), [Segment(0, 0, 100)], step, "none")
+    shapes = []
+    real = deepseek_v4.gather
+
+    def recording(rows, slots):
+        shapes.append(tuple(slots.shape))
+        return real(rows, slots)
+
+    monkeypatch.setattr(deepseek_v4, "gather", recording)
+    model(torch.tensor([5]), [Segment(0, 100, 1)], step, "none")
+    topk, csa = config.v4.index_topk, 4
+    assert (1, topk, csa) in shapes  # each CSA layer: the query's top-k entries, 4 rows each
+    assert (100 // csa * csa,) in shapes  # the indexer's keys: every complete window's

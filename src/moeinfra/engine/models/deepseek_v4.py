@@ -443,21 +443,35 @@ class V4AttentionLayer(nn.Module):
         visible = (key_pos[None, :] <= pos[:, None]) & (
             key_pos[None, :] > pos[:, None] - self.v4.sliding_window
         )
+        chosen = None
         if self.compressor is not None:
             entries, entry_visible = self._compressed(x, q_residual, pos, s, slots, cache)
-            keys = torch.cat([keys, entries])
-            visible = torch.cat([visible, entry_visible], dim=1)
-        logits = torch.einsum("lhd,kd->lhk", q.float(), keys.float()) * self.head_dim**-0.5
-        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("lhk,kd->lhd", probs, keys.float()).to(q.dtype)
+            if entries.dim() == 2:  # every query sees the same entries (masked)
+                keys = torch.cat([keys, entries])
+                visible = torch.cat([visible, entry_visible], dim=1)
+            else:  # each query's own top-k entries
+                chosen = (entries.float(), entry_visible)
+        scale = self.head_dim**-0.5
+        qf = q.float()
+        logits = [torch.einsum("lhd,kd->lhk", qf, keys.float()) * scale]
+        logits[0] = logits[0].masked_fill(~visible[:, None, :], float("-inf"))
+        if chosen is not None:
+            picked = torch.einsum("lhd,lkd->lhk", qf, chosen[0]) * scale
+            logits.append(picked.masked_fill(~chosen[1][:, None, :], float("-inf")))
+        logits.append(self.attn_sink.float().view(1, -1, 1).expand(qf.shape[0], -1, 1))
+        probs = torch.cat(logits, dim=-1).softmax(dim=-1)
+        n = keys.shape[0]
+        out = torch.einsum("lhk,kd->lhd", probs[..., :n], keys.float())
+        if chosen is not None:
+            out = out + torch.einsum("lhk,lkd->lhd", probs[..., n:-1], chosen[0])
+        out = out.to(q.dtype)
         return self.rope(out, pos, inverse=True)
 
     def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache):
         """Compress the windows this segment completes, writing each entry as ``ratio`` slices at
         its tokens (and, at a block's end, CSA's tail); -> ``(entries [E, hd], visible [L, E])``
-        of every entry up to the segment's end."""
+        of every entry up to the segment's end or, where the indexer's picks are fewer rows than
+        the context (decode), each query's own ``(entries [L, k, hd], valid [L, k])``."""
         m, end = self.ratio, s.start + s.length
         comp = self.compressor
         projected = [comp.wkv(x), comp.wgate(x)]
@@ -483,17 +497,24 @@ class V4AttentionLayer(nn.Module):
         keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
         self.held[s.seq] = _Held(keep, end, [r[keep - first :] for r in rows])
         context = slots[: hi * m]
-        entries = gather(cache.part(ENTRY), context)[:, : comp.dim // m].reshape(hi, comp.dim)
         visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
-        if self.indexer is not None and hi:
-            keys = gather(cache.part(INDEX_ENTRY), context).reshape(hi, ic.dim)
-            scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            chosen = scores.topk(min(self.v4.index_topk, hi), dim=-1).indices
-            picked = torch.zeros_like(visible)
-            picked.scatter_(1, chosen, True)
-            visible = visible & picked
-        return entries, visible
+        slice_width = comp.dim // m
+        if self.indexer is None or not hi:
+            entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
+            return entries, visible
+        keys = gather(cache.part(INDEX_ENTRY), context).reshape(hi, ic.dim)
+        scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(self.v4.index_topk, hi)
+        chosen = scores.topk(k, dim=-1).indices  # [L, k]
+        if x.shape[0] * k < hi:  # decode: gather each query's k entries, not the whole context
+            tokens = chosen[..., None] * m + torch.arange(m, device=x.device)
+            picked = gather(cache.part(ENTRY), slots[tokens])[..., :slice_width]
+            return picked.reshape(*chosen.shape, comp.dim), visible.gather(1, chosen)
+        entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
+        picked = torch.zeros_like(visible)
+        picked.scatter_(1, chosen, True)
+        return entries, visible & picked
 
     def _tail_split(self) -> list[int]:
         m, hd, idx = self.ratio, self.head_dim, self.indexer.compressor.dim
