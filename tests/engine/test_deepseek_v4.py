@@ -98,11 +98,11 @@ def test_logits_match_transformers_over_chunks_and_decode(v4_path, hf_v4):
     assert ref.abs().max() > 5
 
 
-def test_a_sequence_resumes_at_a_block_boundary_from_shared_blocks(v4_path, hf_v4):
+def test_a_sequence_resumes_at_a_checkpoint_from_shared_blocks(v4_path, hf_v4):
     """What a prefix hit, a preemption or a hand-off does: a new sequence reads the blocks another
-    computed and goes on from a block boundary, rebuilding the compressor state it needs (CSA's
-    last window) from the previous block's tail — logits equal transformers' past the boundary;
-    resuming inside a block is refused."""
+    computed and goes on from a checkpoint (position 32), rebuilding what it holds outside the
+    cache — its window keys from the checkpoint, CSA's last window from the previous block's tail —
+    logits equal transformers' past the checkpoint; resuming elsewhere is refused."""
     arch, config, model = one_rank_model(v4_path)
     ids = [(5 * i) % 1000 + 7 for i in range(60)]
     cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
@@ -114,7 +114,7 @@ def test_a_sequence_resumes_at_a_block_boundary_from_shared_blocks(v4_path, hf_v
     with torch.no_grad():
         ref = hf_v4(torch.tensor([ids])).logits[0, 32:]
     assert (ours - ref).abs().max() < LOGIT_TOL
-    with pytest.raises(RuntimeError, match="resumes at block boundaries only, not at position 40"):
+    with pytest.raises(RuntimeError, match=r"every 32 tokens\), not at position 40"):
         model(torch.tensor(ids[40:41]), [Segment(2, 40, 1)], StepCache(cache, {2: table}), "none")
 
 
@@ -222,20 +222,26 @@ def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
 
 
 def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
-    """Per token and layer the cache holds the window key, a 1/ratio slice of its window's entry
-    and index key, and a 1/block share of its block's CSA tail; a running request holds at most
-    its open windows' projections (and CSA's last whole window's) beside it."""
-    from moeinfra.engine.models.deepseek_v4 import state_bytes_per_request, tail_values
+    """Per token and layer the cache holds a share of the window checkpoint (the 7 window keys
+    before every 32nd position, spread over those 32 tokens), a 1/ratio slice of its window's entry
+    and index key, and a 1/block share of its block's CSA tail; a running request holds its last 7
+    window keys and at most its open windows' projections (and CSA's last whole window's)."""
+    from moeinfra.engine.models.deepseek_v4 import (
+        checkpoint_tokens,
+        state_bytes_per_request,
+        tail_values,
+    )
 
     arch, config, model = one_rank_model(v4_path)
     v4, block = config.v4, 16
     layout = arch.kv_layout(config, torch.float32, block)
     csa, hca = 4, 16
+    assert checkpoint_tokens(config, block) == 32 == 4 * v4.sliding_window
     assert tail_values(v4) == csa * 2 * (v4.head_dim + v4.index_head_dim)
-    per_layer = (
-        v4.head_dim + v4.head_dim // csa + v4.index_head_dim // csa + -(-tail_values(v4) // block)
-    )
-    assert layout.values_per_token == per_layer == 68
+    window_share = -(-(v4.sliding_window - 1) * v4.head_dim // 32)
+    entry_slices = v4.head_dim // csa + v4.index_head_dim // csa
+    per_layer = window_share + entry_slices + -(-tail_values(v4) // block)
+    assert layout.values_per_token == per_layer == 43
     assert layout.bytes_per_token == per_layer * config.num_layers * 4
     cache = PagedKVCache(layout, num_blocks=4, block_size=block)
     assert cache.nbytes == layout.bytes_per_token * 4 * block
@@ -245,8 +251,7 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
     held = sum(
         t.numel() * t.element_size()
         for layer in model.layers
-        if layer.attn.compressor is not None
-        for t in layer.attn.held[0].rows
+        for t in [layer.attn.held[0].window, *layer.attn.held[0].rows]
     )
     assert held == state_bytes_per_request(config, torch.float32)
     assert (47 - 1) % hca == hca - 2 and 47 % csa == csa - 1
@@ -255,16 +260,20 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
 
 
 def test_published_v4_flash_cache_per_token(v4_path):
-    """DeepSeek-V4-Flash (bf16, 128-token blocks): per layer 512 window + 128 entry slice + 32
-    index-key slice + 40 tail values, 43 layers."""
+    """DeepSeek-V4-Flash (bf16, 128-token blocks, a checkpoint every 512 tokens): per layer 127
+    window-checkpoint + 128 entry-slice + 32 index-key-slice + 40 tail values, 43 layers."""
     from moeinfra.engine.hf_config import published_config
     from moeinfra.engine.registry import architecture
 
     raw = published_config("deepseek-v4-flash")
     arch = architecture(raw["model_type"])
     layout = arch.kv_layout(arch.parse_config(raw, "config.json"), torch.bfloat16, 128)
-    assert layout.values_per_token == 512 + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
-    assert layout.bytes_per_token == 712 * 43 * 2
+    checkpoint = 4 * 128
+    window_share = 127 * 512 // checkpoint
+    assert (
+        layout.values_per_token == window_share + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
+    )
+    assert layout.bytes_per_token == 327 * 43 * 2
 
 
 def _write_config(path, **changes):

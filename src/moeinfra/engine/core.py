@@ -149,14 +149,20 @@ class EngineCore:
         self.cache = PagedKVCache(
             layout, self.config.num_kv_blocks, self.config.block_size, self.device
         )
+        resume = self.config.block_size
+        if self.arch.resume_tokens is not None:
+            resume = self.arch.resume_tokens(self.model_config, self.config.block_size)
         self.blocks = BlockManager(
-            self.config.num_kv_blocks, self.config.block_size, reuse_last_block=self.mtp is None
+            self.config.num_kv_blocks,
+            self.config.block_size,
+            reuse_last_block=self.mtp is None,
+            prefix_blocks=resume // self.config.block_size,
         )
         self.scheduler = Scheduler(
             self.blocks,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
-            resume_alignment=self.config.block_size if self.arch.resumes_at_blocks else 1,
+            resume_alignment=resume if self.arch.resume_tokens is not None else 1,
         )
         if hasattr(self.model, "release"):
             self.blocks.on_free.append(self.model.release)

@@ -81,11 +81,16 @@ class BlockManager:
 
     ``reuse_last_block=False`` leaves the last matching block of a prefix to be recomputed: with an
     MTP draft layer, a block's last cache entry depends on the token after the block (vLLM drops
-    that block for EAGLE drafts too).
+    that block for EAGLE drafts too). ``prefix_blocks``: a cached prefix is taken in multiples of
+    this many blocks (a model that resumes only at such positions: DeepSeek-V4's checkpoints).
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 64, reuse_last_block: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 64,
+        reuse_last_block: bool = True,
+        prefix_blocks: int = 1,
     ) -> None:
         if num_blocks < 1:
             raise InputError(f"num_blocks={num_blocks!r}: must be a positive number of blocks")
@@ -94,6 +99,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.reuse_last_block = reuse_last_block
+        self.prefix_blocks = prefix_blocks
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
@@ -169,7 +175,8 @@ class BlockManager:
             if block is None:
                 break
             found.append((parent, block))
-        return found if self.reuse_last_block else found[:-1]
+        found = found if self.reuse_last_block else found[:-1]
+        return found[: len(found) // self.prefix_blocks * self.prefix_blocks]
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens :meth:`allocate_prefix` would find cached now (changes nothing)."""

@@ -26,8 +26,9 @@ class Architecture:
     :mod:`.models.deepseek_v3`); ``load_mtp`` (same arguments, a one-layer plan) -> the draft model
     of speculative decoding (:mod:`.models.mtp`), None where the architecture has none;
     ``check_block_size(config, block_size)`` raises where the cache's blocks cannot be that size;
-    ``resumes_at_blocks``: the model keeps per-request state outside the cache that it rebuilds
-    only at block boundaries, so KV computed elsewhere is used up to a block boundary."""
+    ``resume_tokens(config, block_size)``: where the model keeps per-request state outside the
+    cache, the positions (every this many tokens, whole blocks) it can rebuild it at — prefix hits
+    and KV computed elsewhere are used up to such a position (None: any position)."""
 
     model_type: str
     hf_architecture: str
@@ -36,7 +37,7 @@ class Architecture:
     load: Callable
     load_mtp: Callable | None = None
     check_block_size: Callable[[ModelConfig, int], None] | None = None
-    resumes_at_blocks: bool = False
+    resume_tokens: Callable[[ModelConfig, int], int] | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -73,7 +74,7 @@ def _builtin() -> None:
             v4.kv_layout,
             v4.load,
             check_block_size=v4.check_block_size,
-            resumes_at_blocks=True,
+            resume_tokens=v4.checkpoint_tokens,
         )
     )
 

@@ -252,15 +252,32 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     return config
 
 
+# a request's window is written to the cache every few windows' worth of tokens (whole blocks)
+CHECKPOINT_WINDOWS = 4
+
+
+def checkpoint_tokens(config: ModelConfig, block_size: int) -> int:
+    """Positions at which a sequence can resume from the cache alone (a prefix hit, preemption,
+    KV handed over): every this many tokens — the fewest whole blocks holding
+    :data:`CHECKPOINT_WINDOWS` sliding windows."""
+    return _checkpoint(config.v4, block_size)
+
+
+def _checkpoint(v4: V4Attention, block_size: int) -> int:
+    return -(-CHECKPOINT_WINDOWS * v4.sliding_window // block_size) * block_size
+
+
 def kv_layout(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
-    """Per token and layer: the window key (``head_dim``); with compressed layers, a
-    ``1 / ratio`` slice of the entry of the token's window (the window's ``ratio`` tokens hold it
-    together: ``head_dim / ratio`` values each); with CSA, the same slice of the indexer's key and a
-    ``1 / block_size`` share of the block's *tail* — the projections of its last window that the
-    next window's overlapping compression reads (:func:`tail_values`). Every layer gets the widest
-    layer's parts."""
+    """Per token and layer: a share of the window checkpoint (the last ``sliding_window - 1``
+    window keys before each checkpoint, spread over the checkpoint's tokens:
+    :func:`checkpoint_tokens`); with compressed layers, a ``1 / ratio`` slice of the entry of the
+    token's window (the window's ``ratio`` tokens hold it together); with CSA, the same slice of
+    the indexer's key and a ``1 / block_size`` share of the block's *tail* — the projections of its
+    last window that the next window's overlapping compression reads (:func:`tail_values`). Every
+    layer gets the widest layer's parts."""
     v4 = config.v4
-    parts = [(WINDOW_KV, v4.head_dim)]
+    window_values = (v4.sliding_window - 1) * v4.head_dim
+    parts = [(WINDOW_KV, max(1, -(-window_values // checkpoint_tokens(config, block_size))))]
     if v4.ratios:
         parts.append((ENTRY, v4.head_dim // min(v4.ratios)))
     if v4.has_csa:
@@ -282,12 +299,12 @@ def tail_values(v4: V4Attention) -> int:
 
 
 def state_bytes_per_request(config: ModelConfig, dtype: torch.dtype) -> int:
-    """The most bytes of compressor projections a running request keeps outside the cache: per
-    compressed layer the open window's tokens (``ratio - 1``) and, with CSA's overlap, the last
-    whole window's (``ratio``), each a key and a gate of ``2 * head_dim`` (CSA, plus the indexer's
-    ``2 * index_head_dim``) or ``head_dim`` (HCA)."""
+    """The most bytes a running request keeps outside the cache: per layer its window's last
+    ``sliding_window - 1`` keys; per compressed layer the open window's projections (``ratio - 1``
+    tokens) and, with CSA's overlap, the last whole window's (``ratio``), each a key and a gate of
+    ``2 * head_dim`` (CSA, plus the indexer's ``2 * index_head_dim``) or ``head_dim`` (HCA)."""
     v4, itemsize = config.v4, torch.empty(0, dtype=dtype).element_size()
-    values = 0
+    values = config.num_layers * (v4.sliding_window - 1) * v4.head_dim
     for kind, ratio in zip(v4.layer_kinds, v4.compress_ratios, strict=True):
         if kind == CSA:
             values += (2 * ratio - 1) * 2 * 2 * (v4.head_dim + v4.index_head_dim)
@@ -433,19 +450,21 @@ class V4AttentionLayer(nn.Module):
 
     def _segment(self, x, q, q_residual, pos, s: Segment, cache: LayerCache) -> torch.Tensor:
         slots = cache.step.slots[s.seq]
-        end = s.start + s.length
-        here = slots[s.start : end]
+        end, window = s.start + s.length, self.v4.sliding_window
         q = self.rope(q, pos)
-        cache.part(WINDOW_KV)[here] = self.rope(self.norm(self.wkv(x)), pos)
-        first = max(0, s.start - self.v4.sliding_window + 1)
-        keys = gather(cache.part(WINDOW_KV), slots[first:end])
+        held = self._resume(s.seq, s.start, slots, cache)
+        keys = torch.cat([held.window, self.rope(self.norm(self.wkv(x)), pos)])
+        first = s.start - held.window.shape[0]
+        self._write_checkpoints(s, keys, first, slots, cache)
+        kept = keys[max(0, keys.shape[0] - (window - 1)) :]
         key_pos = torch.arange(first, end, device=x.device)
-        visible = (key_pos[None, :] <= pos[:, None]) & (
-            key_pos[None, :] > pos[:, None] - self.v4.sliding_window
-        )
+        visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
         chosen = None
+        rows_from, rows = 0, []
         if self.compressor is not None:
-            entries, entry_visible = self._compressed(x, q_residual, pos, s, slots, cache)
+            entries, entry_visible, rows_from, rows = self._compressed(
+                x, q_residual, pos, s, slots, cache, held
+            )
             if entries.dim() == 2:  # every query sees the same entries (masked)
                 keys = torch.cat([keys, entries])
                 visible = torch.cat([visible, entry_visible], dim=1)
@@ -464,21 +483,21 @@ class V4AttentionLayer(nn.Module):
         out = torch.einsum("lhk,kd->lhd", probs[..., :n], keys.float())
         if chosen is not None:
             out = out + torch.einsum("lhk,lkd->lhd", probs[..., n:-1], chosen[0])
-        out = out.to(q.dtype)
-        return self.rope(out, pos, inverse=True)
+        self.held[s.seq] = _Held(end, kept, rows_from, rows)
+        return self.rope(out.to(q.dtype), pos, inverse=True)
 
-    def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache):
+    def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache, held):
         """Compress the windows this segment completes, writing each entry as ``ratio`` slices at
         its tokens (and, at a block's end, CSA's tail); -> ``(entries [E, hd], visible [L, E])``
         of every entry up to the segment's end or, where the indexer's picks are fewer rows than
-        the context (decode), each query's own ``(entries [L, k, hd], valid [L, k])``."""
+        the context (decode), each query's own ``(entries [L, k, hd], valid [L, k])``; then the
+        first position and the rows of the projections later windows still read."""
         m, end = self.ratio, s.start + s.length
         comp = self.compressor
         projected = [comp.wkv(x), comp.wgate(x)]
         if self.indexer is not None:
             ic = self.indexer.compressor
             projected += [ic.wkv(x), ic.wgate(x)]
-        held = self._resume(s.seq, s.start, slots, cache)
         first = held.start
         rows = [torch.cat([old, new]) for old, new in zip(held.rows, projected, strict=True)]
         lo, hi = (s.start + m) // m - 1, end // m  # windows completing here: lo .. hi - 1
@@ -495,13 +514,13 @@ class V4AttentionLayer(nn.Module):
         if self.indexer is not None:
             self._write_tails(s, rows, first, slots, cache)
         keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
-        self.held[s.seq] = _Held(keep, end, [r[keep - first :] for r in rows])
+        rows = [r[keep - first :] for r in rows]
         context = slots[: hi * m]
         visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
         slice_width = comp.dim // m
         if self.indexer is None or not hi:
             entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
-            return entries, visible
+            return entries, visible, keep, rows
         keys = gather(cache.part(INDEX_ENTRY), context).reshape(hi, ic.dim)
         scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -510,11 +529,12 @@ class V4AttentionLayer(nn.Module):
         if x.shape[0] * k < hi:  # decode: gather each query's k entries, not the whole context
             tokens = chosen[..., None] * m + torch.arange(m, device=x.device)
             picked = gather(cache.part(ENTRY), slots[tokens])[..., :slice_width]
-            return picked.reshape(*chosen.shape, comp.dim), visible.gather(1, chosen)
+            picked = picked.reshape(*chosen.shape, comp.dim)
+            return picked, visible.gather(1, chosen), keep, rows
         entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
         picked = torch.zeros_like(visible)
         picked.scatter_(1, chosen, True)
-        return entries, visible & picked
+        return entries, visible & picked, keep, rows
 
     def _tail_split(self) -> list[int]:
         m, hd, idx = self.ratio, self.head_dim, self.indexer.compressor.dim
@@ -534,28 +554,48 @@ class V4AttentionLayer(nn.Module):
             padded[: values.numel()] = values
             part[slots[boundary - block : boundary]] = padded.view(block, -1)
 
+    def _write_checkpoints(self, s: Segment, keys, first: int, slots, cache: LayerCache) -> None:
+        """At every checkpoint this segment reaches, the window keys before it, spread over the
+        checkpoint's tokens' ``kv`` part (``keys`` are positions ``first ..``)."""
+        part, span = cache.part(WINDOW_KV), self.checkpoint(cache)
+        end, kept = s.start + s.length, self.v4.sliding_window - 1
+        for boundary in range((s.start // span + 1) * span, end + 1, span):
+            values = keys[boundary - kept - first : boundary - first].reshape(-1).to(part.dtype)
+            padded = values.new_zeros(span * part.shape[-1])
+            padded[: values.numel()] = values
+            part[slots[boundary - span : boundary]] = padded.view(span, -1)
+
+    def checkpoint(self, cache: LayerCache) -> int:
+        return _checkpoint(self.v4, cache.step.cache.block_size)
+
     def _resume(self, seq: int, start: int, slots, cache: LayerCache) -> _Held:
-        """The projections ``seq`` holds from before ``start``: its own from the last segment, or
-        rebuilt at a block boundary (nothing open; with CSA, the previous block's tail)."""
+        """What ``seq`` holds from before ``start``: its own from the last segment, or rebuilt at a
+        checkpoint — the window keys from the checkpoint's share of the cache, no compression
+        window open (checkpoints are block boundaries) but, with CSA, the previous block's tail."""
         held = self.held.get(seq)
         if held is not None and held.end == start:
             return held
-        comp = self.compressor
-        widths = [comp.wkv.out_features, comp.wgate.out_features]
+        span, hd = self.checkpoint(cache), self.head_dim
+        dtype, device = self.wkv.weight.dtype, self.wkv.weight.device
+        widths = []
+        if self.compressor is not None:
+            widths = [self.compressor.wkv.out_features] * 2
         if self.indexer is not None:
             widths += [self.indexer.compressor.wkv.out_features] * 2
-        dtype, device = comp.wkv.weight.dtype, comp.wkv.weight.device
-        if start == 0 or (start % cache.step.cache.block_size == 0 and not comp.overlap):
-            return _Held(
-                start, start, [torch.zeros(0, w, dtype=dtype, device=device) for w in widths]
-            )
-        block = cache.step.cache.block_size
-        if start % block:
+        empty = [torch.zeros(0, w, dtype=dtype, device=device) for w in widths]
+        if start == 0:
+            return _Held(0, torch.zeros(0, hd, dtype=dtype, device=device), 0, empty)
+        if start % span:
             raise RuntimeError(
-                f"sequence {seq}: a DeepSeek-V4 layer resumes at block boundaries only, not at "
-                f"position {start} (block_size={block})"
+                f"sequence {seq}: a DeepSeek-V4 layer resumes at checkpoints only (every {span} "
+                f"tokens), not at position {start}"
             )
-        m = self.ratio
+        kept = self.v4.sliding_window - 1
+        flat = gather(cache.part(WINDOW_KV), slots[start - span : start]).reshape(-1)
+        window = flat[: kept * hd].view(kept, hd).to(dtype)
+        if self.indexer is None:
+            return _Held(start, window, start, empty)
+        m, block = self.ratio, cache.step.cache.block_size
         flat = gather(cache.part(TAIL), slots[start - block : start]).reshape(-1)
         halves = flat[: sum(self._tail_split())].split(self._tail_split())
         rows = []
@@ -563,7 +603,7 @@ class V4AttentionLayer(nn.Module):
             row = torch.zeros(m, width, dtype=dtype, device=device)
             row[:, : width // 2] = half.view(m, width // 2).to(dtype)
             rows.append(row)
-        return _Held(start - m, start, rows)
+        return _Held(start, window, start - m, rows)
 
     def release(self, seq: int) -> None:
         self.held.pop(seq, None)
@@ -571,11 +611,13 @@ class V4AttentionLayer(nn.Module):
 
 @dataclass
 class _Held:
-    """A sequence's compressor projections of positions ``start .. end - 1`` (key and gate, and the
-    indexer's with CSA) that later windows still read."""
+    """What a sequence holds outside the cache after position ``end - 1``: its last
+    ``sliding_window - 1`` window keys, and its compressor projections of positions ``start ..
+    end - 1`` (key and gate, and the indexer's with CSA) that later windows still read."""
 
-    start: int
     end: int
+    window: torch.Tensor
+    start: int
     rows: list[torch.Tensor]
 
 
@@ -728,8 +770,7 @@ class DeepseekV4(nn.Module):
     def release(self, seq: int) -> None:
         """Forget what ``seq`` holds outside the cache (it finished or was preempted)."""
         for layer in self.layers:
-            if layer.attn.compressor is not None:
-                layer.attn.release(seq)
+            layer.attn.release(seq)
 
 
 # ---------------------------------------------------------------------------------------- loading
