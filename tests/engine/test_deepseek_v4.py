@@ -239,10 +239,14 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
     assert checkpoint_tokens(config, block) == 32 == 4 * v4.sliding_window
     assert tail_values(v4) == csa * 2 * (v4.head_dim + v4.index_head_dim)
     window_share = -(-(v4.sliding_window - 1) * v4.head_dim // 32)
-    entry_slices = v4.head_dim // csa + v4.index_head_dim // csa
-    per_layer = window_share + entry_slices + -(-tail_values(v4) // block)
-    assert layout.values_per_token == per_layer == 43
-    assert layout.bytes_per_token == per_layer * config.num_layers * 4
+    csa_layer = (
+        window_share + (v4.head_dim + v4.index_head_dim) // csa + -(-tail_values(v4) // block)
+    )
+    hca_layer = window_share + v4.head_dim // hca
+    # layers: window only, CSA, HCA, CSA
+    assert (window_share, csa_layer, hca_layer) == (7, 43, 9)
+    assert layout.values_per_token == window_share + 2 * csa_layer + hca_layer == 102
+    assert layout.bytes_per_token == 102 * 4
     cache = PagedKVCache(layout, num_blocks=4, block_size=block)
     assert cache.nbytes == layout.bytes_per_token * 4 * block
     # 47 tokens: HCA's open window holds 15 (ratio - 1), CSA's 3 plus its last whole window's 4
@@ -260,20 +264,20 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
 
 
 def test_published_v4_flash_cache_per_token(v4_path):
-    """DeepSeek-V4-Flash (bf16, 128-token blocks, a checkpoint every 512 tokens): per layer 127
-    window-checkpoint + 128 entry-slice + 32 index-key-slice + 40 tail values, 43 layers."""
+    """DeepSeek-V4-Flash (bf16, 128-token blocks, a checkpoint every 512 tokens): every layer 127
+    window-checkpoint values; its 21 CSA layers 128 entry-slice + 32 index-key-slice + 40 tail
+    values more, its 20 HCA layers a 4-value entry slice."""
     from moeinfra.engine.hf_config import published_config
     from moeinfra.engine.registry import architecture
 
     raw = published_config("deepseek-v4-flash")
     arch = architecture(raw["model_type"])
     layout = arch.kv_layout(arch.parse_config(raw, "config.json"), torch.bfloat16, 128)
-    checkpoint = 4 * 128
-    window_share = 127 * 512 // checkpoint
-    assert (
-        layout.values_per_token == window_share + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
-    )
-    assert layout.bytes_per_token == 327 * 43 * 2
+    window_share = 127 * 512 // (4 * 128)
+    csa = window_share + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
+    hca = window_share + 512 // 128
+    assert layout.values_per_token == 21 * csa + 20 * hca + 2 * window_share == 9_741
+    assert layout.bytes_per_token == 19_482
 
 
 def _write_config(path, **changes):

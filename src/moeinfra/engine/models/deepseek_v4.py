@@ -12,11 +12,12 @@ with per-head attention sinks, partial interleaved RoPE on the trailing ``qk_rop
 streams mixed by manifold-constrained hyper-connections (Sinkhorn-projected); every layer is MoE,
 its first ``num_hash_layers`` routed by a fixed token -> experts table (``tid2eid``).
 
-Cache: everything a later step reads is kept per token in the paged cache (:func:`kv_layout`) —
-the token's window key, its compressor projections (and the indexer's), and at the last token of
-each window the window's compressed entry — so chunked prefill, prefix sharing, preemption and the
-KV hand-off need no per-request state beyond the block table. Blocks must hold whole compression
-windows (``block_size`` a multiple of every ``compress_ratio``).
+Cache (:func:`kv_layout`): a running request holds its last ``sliding_window - 1`` window keys and
+its open compression windows' projections; the paged cache holds the compressed entries (a
+``1/ratio`` slice per token), CSA's block tails and, every :func:`checkpoint_tokens`, the window
+before it — so a request can resume from the cache alone at any checkpoint (prefix hits,
+preemption, KV handed over). Blocks hold whole compression windows (``block_size`` a multiple of
+every ``compress_ratio``).
 
 Checkpoint names: DeepSeek's (``layers.N.attn.wq_a.weight``, ``embed.weight``, ``head.weight``,
 ``hc_head_fn``) or transformers' (the same under ``model.``, ``model.embed_tokens.weight``,
@@ -268,24 +269,27 @@ def _checkpoint(v4: V4Attention, block_size: int) -> int:
 
 
 def kv_layout(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
-    """Per token and layer: a share of the window checkpoint (the last ``sliding_window - 1``
-    window keys before each checkpoint, spread over the checkpoint's tokens:
-    :func:`checkpoint_tokens`); with compressed layers, a ``1 / ratio`` slice of the entry of the
-    token's window (the window's ``ratio`` tokens hold it together); with CSA, the same slice of
-    the indexer's key and a ``1 / block_size`` share of the block's *tail* — the projections of its
-    last window that the next window's overlapping compression reads (:func:`tail_values`). Every
-    layer gets the widest layer's parts."""
+    """Per token, each layer's parts (named ``part.layer``, one row of them: the layers differ):
+    every layer's share of the window checkpoint (the last ``sliding_window - 1`` window keys
+    before each checkpoint, spread over the checkpoint's tokens: :func:`checkpoint_tokens`); a
+    compressed layer's ``1 / ratio`` slice of the entry of the token's window (the window's
+    ``ratio`` tokens hold it together); a CSA layer's same slice of the indexer's key and
+    ``1 / block_size`` share of the block's *tail* — the projections of its last window that the
+    next window's overlapping compression reads (:func:`tail_values`)."""
     v4 = config.v4
     window_values = (v4.sliding_window - 1) * v4.head_dim
-    parts = [(WINDOW_KV, max(1, -(-window_values // checkpoint_tokens(config, block_size))))]
-    if v4.ratios:
-        parts.append((ENTRY, v4.head_dim // min(v4.ratios)))
-    if v4.has_csa:
-        parts += [
-            (INDEX_ENTRY, v4.index_head_dim // _csa_ratio(v4)),
-            (TAIL, -(-tail_values(v4) // block_size)),
-        ]
-    return KVLayout(tuple(parts), config.num_layers, dtype)
+    window_share = max(1, -(-window_values // checkpoint_tokens(config, block_size)))
+    parts = []
+    for i, (kind, ratio) in enumerate(zip(v4.layer_kinds, v4.compress_ratios, strict=True)):
+        parts.append((f"{WINDOW_KV}.{i}", window_share))
+        if ratio:
+            parts.append((f"{ENTRY}.{i}", v4.head_dim // ratio))
+        if kind == CSA:
+            parts += [
+                (f"{INDEX_ENTRY}.{i}", v4.index_head_dim // ratio),
+                (f"{TAIL}.{i}", -(-tail_values(v4) // block_size)),
+            ]
+    return KVLayout(tuple(parts), 1, dtype)
 
 
 def _csa_ratio(v4: V4Attention) -> int:
@@ -410,6 +414,7 @@ class V4AttentionLayer(nn.Module):
         h, hd, heads = block.hidden_size, v4.head_dim, block.num_attention_heads
         self.v4, self.heads, self.head_dim, self.eps = v4, heads, hd, block.rms_norm_eps
         self.kind, self.ratio = v4.layer_kinds[layer], v4.compress_ratios[layer]
+        self.layer = layer
         self.wq_a = Linear(h, block.q_lora_rank)
         self.q_norm = RMSNorm(block.q_lora_rank, block.rms_norm_eps)
         self.wq_b = Linear(block.q_lora_rank, heads * hd)
@@ -507,31 +512,30 @@ class V4AttentionLayer(nn.Module):
             at = torch.arange(lo, hi, device=x.device)
             tokens = slots[lo * m : hi * m]
             entries = self.compress_rope(comp.entries(rows[0][span], rows[1][span], lo), at * m)
-            cache.part(ENTRY)[tokens, : comp.dim // m] = entries.reshape(-1, comp.dim // m)
+            self._part(cache, ENTRY)[tokens] = entries.reshape(-1, comp.dim // m)
             if self.indexer is not None:
                 keys = self.compress_rope(ic.entries(rows[2][span], rows[3][span], lo), at * m)
-                cache.part(INDEX_ENTRY)[tokens] = keys.reshape(-1, ic.dim // m)
+                self._part(cache, INDEX_ENTRY)[tokens] = keys.reshape(-1, ic.dim // m)
         if self.indexer is not None:
             self._write_tails(s, rows, first, slots, cache)
         keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
         rows = [r[keep - first :] for r in rows]
         context = slots[: hi * m]
         visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
-        slice_width = comp.dim // m
         if self.indexer is None or not hi:
-            entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
+            entries = gather(self._part(cache, ENTRY), context).reshape(hi, comp.dim)
             return entries, visible, keep, rows
-        keys = gather(cache.part(INDEX_ENTRY), context).reshape(hi, ic.dim)
+        keys = gather(self._part(cache, INDEX_ENTRY), context).reshape(hi, ic.dim)
         scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.v4.index_topk, hi)
         chosen = scores.topk(k, dim=-1).indices  # [L, k]
         if x.shape[0] * k < hi:  # decode: gather each query's k entries, not the whole context
             tokens = chosen[..., None] * m + torch.arange(m, device=x.device)
-            picked = gather(cache.part(ENTRY), slots[tokens])[..., :slice_width]
+            picked = gather(self._part(cache, ENTRY), slots[tokens])
             picked = picked.reshape(*chosen.shape, comp.dim)
             return picked, visible.gather(1, chosen), keep, rows
-        entries = gather(cache.part(ENTRY), context)[:, :slice_width].reshape(hi, comp.dim)
+        entries = gather(self._part(cache, ENTRY), context).reshape(hi, comp.dim)
         picked = torch.zeros_like(visible)
         picked.scatter_(1, chosen, True)
         return entries, visible & picked, keep, rows
@@ -545,7 +549,7 @@ class V4AttentionLayer(nn.Module):
         projections, spread over the block's tokens' ``tail`` part."""
         m, block = self.ratio, cache.step.cache.block_size
         end = s.start + s.length
-        part = cache.part(TAIL)
+        part = self._part(cache, TAIL)
         for boundary in range((s.start // block + 1) * block, end + 1, block):
             window = slice(boundary - m - first, boundary - first)
             halves = [r[window, : r.shape[-1] // 2].reshape(-1) for r in rows]
@@ -557,13 +561,17 @@ class V4AttentionLayer(nn.Module):
     def _write_checkpoints(self, s: Segment, keys, first: int, slots, cache: LayerCache) -> None:
         """At every checkpoint this segment reaches, the window keys before it, spread over the
         checkpoint's tokens' ``kv`` part (``keys`` are positions ``first ..``)."""
-        part, span = cache.part(WINDOW_KV), self.checkpoint(cache)
+        part, span = self._part(cache, WINDOW_KV), self.checkpoint(cache)
         end, kept = s.start + s.length, self.v4.sliding_window - 1
         for boundary in range((s.start // span + 1) * span, end + 1, span):
             values = keys[boundary - kept - first : boundary - first].reshape(-1).to(part.dtype)
             padded = values.new_zeros(span * part.shape[-1])
             padded[: values.numel()] = values
             part[slots[boundary - span : boundary]] = padded.view(span, -1)
+
+    def _part(self, cache: LayerCache, name: str) -> torch.Tensor:
+        """``[slots, width]`` view of this layer's ``name`` part (:func:`kv_layout`)."""
+        return cache.part(f"{name}.{self.layer}")
 
     def checkpoint(self, cache: LayerCache) -> int:
         return _checkpoint(self.v4, cache.step.cache.block_size)
@@ -591,12 +599,12 @@ class V4AttentionLayer(nn.Module):
                 f"tokens), not at position {start}"
             )
         kept = self.v4.sliding_window - 1
-        flat = gather(cache.part(WINDOW_KV), slots[start - span : start]).reshape(-1)
+        flat = gather(self._part(cache, WINDOW_KV), slots[start - span : start]).reshape(-1)
         window = flat[: kept * hd].view(kept, hd).to(dtype)
         if self.indexer is None:
             return _Held(start, window, start, empty)
         m, block = self.ratio, cache.step.cache.block_size
-        flat = gather(cache.part(TAIL), slots[start - block : start]).reshape(-1)
+        flat = gather(self._part(cache, TAIL), slots[start - block : start]).reshape(-1)
         halves = flat[: sum(self._tail_split())].split(self._tail_split())
         rows = []
         for half, width in zip(halves, widths, strict=True):
@@ -759,8 +767,9 @@ class DeepseekV4(nn.Module):
         ``overlap`` is accepted for the engine's interface; V4 layers run one after another."""
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.v4.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, segments, cache.layer(i))
+        rows = cache.layer(0)  # one row of every layer's parts (:func:`kv_layout`)
+        for layer in self.layers:
+            streams = layer(streams, input_ids, segments, rows)
         return self.norm(self.hc_head(streams))
 
     @torch.no_grad()
