@@ -1191,7 +1191,12 @@ def position_cost_cmd(
         "store it) or bf16; V3.1-Terminus keeps BF16, as FlashMLA's dense decoding kernel reads it.",
     ),
     mtp: str = typer.Option(
-        "0", *_MTP_NAMES, metavar="ACCEPTANCE|METRICS", help="Decode with MTP. " + MTP_HELP
+        "0.85",
+        *_MTP_NAMES,
+        metavar="ACCEPTANCE|METRICS",
+        help="Decode with MTP (default 0.85: DeepSeek's service verifies one draft per request, "
+        "FlashMLA's production case s_q = 2; the V3.2 / V3.1 ratio does not depend on it). "
+        + MTP_HELP,
     ),
     decode_batch: float = typer.Option(
         128.0, "--decode-batch", help="Decode requests per GPU the step is shared by."

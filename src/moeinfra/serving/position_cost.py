@@ -8,11 +8,12 @@ tokens of its prompt came before it (a cached prefix, whose latent MHA mode up-p
 the chunk, and whose index keys V3.2's indexer reads). The figure plots "how token costs ... vary
 with the token position": the cost of the token at ``p``, not the mean over a prompt of length
 ``p``. Decode: a step of ``decode_batch_per_gpu`` requests per GPU of a decode unit, each with
-``p`` cached tokens. Either way the step's GPU-seconds are shared by the tokens it makes, at the
-hardware's price: ``step_s / tokens per GPU x gpu_hour_usd / 3600 x 1e6``. A batch of 128 requests
-all at 128K is not one a GPU holds (it is the cost the token at that position adds to a step of the
-unit's usual batch, as the figure attributes it): every part of the step that does not depend on
-the position is shared as in any batch.
+``p`` cached tokens, verifying one multi-token-prediction draft per request as DeepSeek's service
+decodes (:data:`DEEPSEEK_DECODE_MTP_ACCEPTANCE`). Either way the step's GPU-seconds are shared by
+the tokens it makes, at the hardware's price: ``step_s / tokens per GPU x gpu_hour_usd / 3600 x
+1e6``. A batch of 128 requests all at 128K is not one a GPU holds (it is the cost the token at that
+position adds to a step of the unit's usual batch, as the figure attributes it): every part of the
+step that does not depend on the position is shared as in any batch.
 """
 
 from __future__ import annotations
@@ -36,8 +37,24 @@ from moeinfra.serving.specs import (
     hardware,
 )
 
-#: Decode requests per GPU the decode cost is shared over: DeepSeek's published decode profile.
+#: Decode requests per GPU the decode cost is shared over: DeepSeek's published decode profile
+#: (deepseek-ai/profile-data: "a batch size of 128 requests per GPU"), also the batch at which
+#: FlashMLA times its sparse decoding kernel (below).
 DECODE_BATCH_PER_GPU = 128.0
+#: Share of multi-token-prediction drafts accepted when decoding as DeepSeek's service does: each
+#: step verifies one draft per request beside the next token, two query tokens per request.
+#: DeepSeek's FlashMLA (deepseek-ai/FlashMLA) lists V3.2's production decoding case as 128 query
+#: heads and ``s_q`` = 2 query tokens per request (tests/test_flash_mla_sparse_decoding.py,
+#: "Production cases", "V3.2", commit 082094b, 2026-01-16) and times its sparse decoding kernel's
+#: 410 TFLOPS at batch 128, 128 heads, ``s_q`` = 2, top-k 2,048
+#: (docs/20250929-hopper-fp8-sparse-deep-dive.md); its README: "``s_q`` is the number of q tokens
+#: per q sequence. If MTP (speculative decoding) is disabled, it should be 1". DeepGEMM's paged
+#: MQA-logits kernel (deepseek-ai/DeepGEMM; the indexer's decode logits) takes ``next_n`` = 1 or 2
+#: query tokens per request against one read of its index keys (tests/test_attention.py, 80ceeb2,
+#: 2025-09-29). The share accepted is the DeepSeek-V3 report's (section 5.4.3: 85-90% of second
+#: tokens). It sets the USD level only: both models make ``1 + acceptance`` tokens a step, so the
+#: V3.2 / V3.1 ratio does not depend on it.
+DEEPSEEK_DECODE_MTP_ACCEPTANCE = 0.85
 #: The positions the comparison with the published curve is made at (K tokens, 1K = 1,024).
 COMPARED_AT_K = (32, 64, 128)
 PHASES = ("prefill", "decode")
@@ -79,7 +96,8 @@ def position_cost(
     """Cost per million tokens of ``model`` at each of ``positions`` (tokens, ``[positions]``) on
     ``hw`` (default H800 at 2 USD per GPU-hour), prefill on ``prefill_dep`` (default DeepSeek's
     4-node unit, 16K tokens per GPU per step) and decode on ``decode_dep`` (default DeepSeek's
-    18-node unit) at ``decode_batch_per_gpu`` requests per GPU; with multi-token prediction
+    18-node unit decoding as its service does, :func:`deepseek_service_decode_unit`) at
+    ``decode_batch_per_gpu`` requests per GPU; with multi-token prediction
     (``decode_dep.mtp_acceptance``) a decode step makes ``1 + acceptance`` tokens per request."""
     hw = hw or hardware("h800")
     positions = np.asarray(positions, dtype=np.float64).reshape(-1)
@@ -88,7 +106,7 @@ def position_cost(
     if not (np.isfinite(decode_batch_per_gpu) and decode_batch_per_gpu > 0):
         raise InputError(f"decode_batch_per_gpu={decode_batch_per_gpu} must be a number > 0")
     prefill = PerfModel(prefill_dep or deepseek_prefill_unit(), hw, model, eff)
-    decode = PerfModel(decode_dep or deepseek_decode_unit(), hw, model, eff)
+    decode = PerfModel(decode_dep or deepseek_service_decode_unit(), hw, model, eff)
     usd_per_gpu_s_mtok = hw.gpu_hour_usd / 3600.0 * 1e6
     n = float(prefill.dep.tokens_per_gpu)
     prefill_usd = np.array(
@@ -129,6 +147,14 @@ def published_at(phase: str, series: str, positions_k) -> np.ndarray:
     return np.interp(np.asarray(positions_k, dtype=np.float64), points[:, 0], points[:, 1])
 
 
+def deepseek_service_decode_unit(
+    mtp_acceptance: float = DEEPSEEK_DECODE_MTP_ACCEPTANCE,
+) -> Deployment:
+    """DeepSeek's 18-node decode unit as its service decodes: one multi-token-prediction draft
+    verified per request each step, ``mtp_acceptance`` of them accepted (0: no MTP)."""
+    return deepseek_decode_unit().with_(mtp_acceptance=mtp_acceptance)
+
+
 def deepseek_service_models(
     v32_kv_cache_dtype: str = "fp8",
 ) -> tuple[ModelSpec, ModelSpec]:
@@ -144,7 +170,7 @@ def compare_with_published(
     positions_k=COMPARED_AT_K,
     *,
     v32_kv_cache_dtype: str = "fp8",
-    mtp_acceptance: float = 0.0,
+    mtp_acceptance: float = DEEPSEEK_DECODE_MTP_ACCEPTANCE,
     hw: HardwareSpec | None = None,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     decode_batch_per_gpu: float = DECODE_BATCH_PER_GPU,
@@ -152,10 +178,11 @@ def compare_with_published(
     """The model's V3.2 / V3.1-Terminus cost ratio by position against the published one, per
     phase: ``{phase: {"positions_k", "v31_usd", "v32_usd", "ratio", "published_v31_usd",
     "published_v32_usd", "published_ratio", "model_over_published"}}`` (lists over
-    ``positions_k``), on DeepSeek's units (:func:`position_cost`), MTP at ``mtp_acceptance``."""
+    ``positions_k``), on DeepSeek's units (:func:`position_cost`), MTP at ``mtp_acceptance``
+    (default DeepSeek's service, :data:`DEEPSEEK_DECODE_MTP_ACCEPTANCE`; 0: no MTP)."""
     positions_k = np.asarray(positions_k, dtype=np.float64)
     v31, v32 = deepseek_service_models(v32_kv_cache_dtype)
-    decode_dep = deepseek_decode_unit().with_(mtp_acceptance=mtp_acceptance)
+    decode_dep = deepseek_service_decode_unit(mtp_acceptance)
     costs = [
         position_cost(
             m,
