@@ -217,8 +217,9 @@ def v4_reads(path: Path, context: int) -> dict[str, tuple[int, int]]:
     step = _filled_cache(arch, config, context, 1)
 
     def entries(args, out):
-        layer, (found, visible) = args[0], out
-        return layer.kind, found.shape[0], int(visible.sum(-1).max())
+        # (entries, visible, ...): shared [E, hd] entries, or each decode query's top-k [1, k, hd]
+        layer, found, visible = args[0], out[0], out[1]
+        return layer.kind, found.shape[-2], int(visible.sum(-1).max())
 
     with _Clock(deepseek_v4.V4AttentionLayer, "_compressed", entries) as probe:
         model(torch.tensor([3]), [Segment(0, context, 1)], step, "none")
@@ -229,7 +230,9 @@ def v4_reads(path: Path, context: int) -> dict[str, tuple[int, int]]:
             continue
         expected = formula.attended_entries(layer, context + 1)[1]
         found, attended = reads[kind]
-        if attended != expected or found != (context + 1) // config.v4.compress_ratios[layer]:
+        # a CSA decode query gathers its top-k entries only, an HCA one every entry
+        whole = (context + 1) // config.v4.compress_ratios[layer]
+        if attended != expected or found != (expected if kind == deepseek_v4.CSA else whole):
             raise AssertionError(
                 f"{kind} at {context}: read {found}, attended {attended}; expected {expected}"
             )
