@@ -191,6 +191,17 @@ def test_two_ranks_greedy_equals_transformers(v4_path, v4_prompts, v4_reference)
     _check(outputs, v4_reference, v4_prompts)
 
 
+def test_live_rebalancing_moves_experts_and_keeps_the_answer(v4_path, v4_prompts, v4_reference):
+    """Live EPLB on V4: every 2 steps the redundant slots are re-placed from the last steps' loads
+    (the hash-routed layer's fixed experts counted like the others); greedy output unchanged."""
+    llm = LLM(v4_path, redundant_experts=4, eplb_interval=2, eplb_window=3)
+    before = llm._core.plan.phy2log.copy()
+    outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
+    _check(outputs, v4_reference, v4_prompts)
+    assert llm._core.rebalances >= 3
+    assert (llm._core.plan.phy2log != before).any()
+
+
 def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
     """DeepSeek's release names (``layers.N.attn.*``, ``embed.weight``, ``hc_head_fn``) read as
     transformers' (``model.layers.N.attn.*``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``)."""
