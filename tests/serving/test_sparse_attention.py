@@ -40,7 +40,7 @@ def units():
 
 
 def test_both_architectures_come_from_deepseeks_published_configs():
-    assert set(MODELS) == {"deepseek-v3", "deepseek-v3.2"}
+    assert set(MODELS) == {"deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro"}
     assert ModelSpec() == DEEPSEEK_V3  # the shape the serving model always had
     assert not DEEPSEEK_V3.sparse and DEEPSEEK_V32.sparse
     v32 = DEEPSEEK_V32

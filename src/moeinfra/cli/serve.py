@@ -84,13 +84,19 @@ CALIBRATION_HELP = (
 )
 
 
-def _calibration_name(value: str | None, hardware: str, kernels: str = "first-principles") -> str:
+def _calibration_name(
+    value: str | None, hardware: str, kernels: str = "first-principles", model: str | None = None
+) -> str:
     """``--calibration`` as given, or the default: the shipped calibration of ``hardware``
-    (``rtp-llm-h800`` on h800), none beside measured kernels or where none is shipped."""
+    (``rtp-llm-h800`` on h800), none beside measured kernels, where none is shipped, or for a
+    DeepSeek-V4 ``model`` (every shipped calibration was fitted on DeepSeek-V3)."""
     from moeinfra.serving.calibration import default_calibration
+    from moeinfra.serving.specs import MODELS
 
     if value is not None:
         return value
+    if model in MODELS and MODELS[model].v4:
+        return "none"
     return default_calibration(hardware) if kernels == "first-principles" else "none"
 
 
@@ -166,14 +172,16 @@ def _kernel_tables(kernels: str, calibration: str, hardware: str):
 
 
 MODEL_HELP = (
-    "deepseek-v3 (also V3.1-Terminus and R1: the same shape) or deepseek-v3.2 (DeepSeek Sparse "
-    "Attention: a lightning indexer over the whole context, MLA over the top 2,048 tokens), built "
-    "from DeepSeek's published config.json [deepseek-v3, or the calibration's]."
+    "deepseek-v3 (also V3.1-Terminus and R1: the same shape), deepseek-v3.2 (DeepSeek Sparse "
+    "Attention: a lightning indexer over the whole context, MLA over the top 2,048 tokens), "
+    "deepseek-v4-flash or deepseek-v4-pro (a 128-token window plus compressed entries, FP4 "
+    "experts; first principles only: no calibration carries to them), built from DeepSeek's "
+    "published config.json [deepseek-v3, or the calibration's]."
 )
 KV_CACHE_DTYPE_HELP = (
     "KV cache format: bf16, or fp8 as vLLM's and SGLang's --kv-cache-dtype fp8 store it (V3: 576 "
     "bytes per token per layer; V3.2: the 656-byte fp8_ds_mla latent plus a 132-byte FP8 index "
-    "key) [bf16]."
+    "key; V4: 584-byte entries, FP8 with BF16 RoPE, and 68-byte FP4 index keys) [bf16]."
 )
 
 
@@ -201,12 +209,28 @@ def _served_model(name: str | None, kv_cache_dtype: str | None, calibration=None
 
 
 def _model_summary(model) -> dict:
-    return {
+    out = {
         "name": model.name,
         "kv_cache_dtype": model.kv_cache_dtype,
         "kv_bytes_per_token": model.kv_bytes_per_token,
         "sparse_attention": model.sparse,
     }
+    if model.v4:
+        out["kv_bytes_per_request"] = model.kv_bytes_per_request
+        out["assumed"] = V4_ASSUMPTIONS
+    return out
+
+
+#: What the DeepSeek-V4 model assumes rather than takes from a published kernel figure (also in
+#: docs/serving-model.md, "DeepSeek-V4 in the performance model").
+V4_ASSUMPTIONS = (
+    "core attention at FlashMLA's sparse kernels' H800 rates (410 TFLOPS decode, 640 prefill), "
+    "the kernels vLLM runs V4 on; their V4 figures are not published",
+    "the indexer's FP4 logits at the FP8 GEMM rate (Hopper has no FP4 tensor cores)",
+    "V4's projections, compressors, mHC and FP4xFP8 experts at the FP8 roofline with DeepGEMM's "
+    "1,350 TFLOPS share (its published table holds V3's shapes only)",
+    "DeepEP's low-latency times scaled by the hidden size over V3's 7,168",
+)
 
 
 def _model_line(model) -> str:
@@ -218,9 +242,17 @@ def _model_line(model) -> str:
         if model.sparse
         else "dense MLA"
     )
+    if model.v4:
+        attention = (
+            f"window {format_number(model.arch.sliding_window)} + compressed entries (CSA top "
+            f"{format_number(model.index_topk)}, HCA all)"
+        )
+        per_request = f" + {format_number(model.kv_bytes_per_request / 1e6)} MB per request"
+    else:
+        per_request = ""
     return (
         f"model {model.name}: {attention}; KV cache {model.kv_cache_dtype}, "
-        f"{format_number(model.kv_bytes_per_token)} bytes per token"
+        f"{format_number(model.kv_bytes_per_token)} bytes per token{per_request}"
     )
 
 
@@ -355,7 +387,7 @@ def simulate_cmd(
     check_positive(demand_scale, "--demand-scale")
     check_positive(hours, "--hours")
     check_positive(gpu_hour_usd, "--gpu-hour-usd", at_least_zero=True)
-    calibration = _calibration_name(calibration, hardware, kernels)
+    calibration = _calibration_name(calibration, hardware, kernels, model)
     tables = _kernel_tables(kernels, calibration, hardware)
     cal = _calibration(calibration)
     served = _served_model(model, kv_cache_dtype, cal)
@@ -717,8 +749,10 @@ def plan_cmd(
     if out is not None:
         output_folder(out, "--out")
     hw = priced_hardware(hardware, gpu_hour_usd)
-    calibration = _calibration_name(calibration, hardware, kernels)
+    calibration = _calibration_name(calibration, hardware, kernels, model)
     tables = _kernel_tables(kernels, calibration, hardware)
+    cal = _calibration(calibration)
+    served = _served_model(model, kv_cache_dtype, cal)
     shapes = candidate_shapes(
         modes=chosen_modes,
         nodes={
@@ -730,9 +764,8 @@ def plan_cmd(
         mtp_acceptance=mtp,
         max_batch_per_gpu=tuple(limits),
         gpus_per_node=hw.gpus_per_node,
+        routed_experts=(served or (DEEPSEEK_V3 if cal is None else cal.model)).num_routed_experts,
     )
-    cal = _calibration(calibration)
-    served = _served_model(model, kv_cache_dtype, cal)
     if workload is not None:
         trace, _ = _load_workload(workload, skip_bad, hit_ratio, demand_scale=demand_scale)
         source = str(workload)
@@ -918,7 +951,7 @@ def frontier_cmd(
     mtp = mtp_measured.acceptance
     if out is not None:
         output_folder(out, "--out")
-    cal = _calibration(_calibration_name(calibration, hardware))
+    cal = _calibration(_calibration_name(calibration, hardware, model=model))
     served = _served_model(model, kv_cache_dtype, cal)
     if cal is None:
         hw, spec, eff, kv_cap = hardware_spec(hardware), DEEPSEEK_V3, DEFAULT_EFFICIENCY, None
@@ -1056,7 +1089,7 @@ def model_cmd(
         )
     mtp_measured = None if mtp is None else _mtp(mtp)
     acceptance = 0.0 if mtp_measured is None else mtp_measured.acceptance
-    calibration = _calibration_name(calibration, hardware, kernels)
+    calibration = _calibration_name(calibration, hardware, kernels, model)
     tables = _kernel_tables(kernels, calibration, hardware)
     check_positive(batch, "--batch")
     check_positive(kv, "--kv", at_least_zero=True)
@@ -1065,7 +1098,9 @@ def model_cmd(
     unit_nodes = nodes or (4 if phase == "prefill" else 18)
     hw_spec = None if cal is not None else hardware_spec(hardware)
     if redundant is None:
-        hw_used, spec = (hw_spec, DEEPSEEK_V3) if cal is None else (cal.hardware, cal.model)
+        hw_used, spec = (
+            (hw_spec, served or DEEPSEEK_V3) if cal is None else (cal.hardware, cal.model)
+        )
         redundant = fitting_redundant_experts(
             unit_nodes, hw_used.gpus_per_node, spec.num_routed_experts
         )
@@ -1150,7 +1185,12 @@ def model_cmd(
     if m.num_dense_layers:
         table.add_column(f"dense x{m.num_dense_layers}", justify="right")
         columns.append(dense_i)
-    if m.num_moe_layers:
+    if m.v4:  # one column per layer kind, its first layer
+        kinds = m.layer_kinds()
+        for kind in dict.fromkeys(kinds):
+            table.add_column(f"{kind.replace('_', ' ')} x{kinds.count(kind)}", justify="right")
+            columns.append(kinds.index(kind))
+    elif m.num_moe_layers:
         table.add_column(f"MoE x{m.num_moe_layers}", justify="right")
         columns.append(moe_i)
     series = dict(b.parts) | {"compute path": b.compute, "comm path": b.comm, "layer": b.layer}

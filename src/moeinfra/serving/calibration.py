@@ -153,6 +153,12 @@ class Calibration:
         as the one it was measured on, differing only in its sparse-attention indexer, its cache
         format or its name (DeepSeek-V3.2 on a DeepSeek-V3 calibration); InputError otherwise."""
         same = {"name", "index_n_heads", "index_head_dim", "index_topk", "kv_cache_dtype"}
+        if model.v4 != self.model.v4:
+            raise InputError(
+                f"calibration {self.name!r} was fitted on {self.model.name} (MLA) and "
+                f"{model.name} is DeepSeek-V4 (window and compressed attention, FP4 experts): "
+                "no calibration carries to it; give --calibration none (first principles)"
+            )
         mine, theirs = asdict(self.model), asdict(model)
         differ = sorted(k for k in mine if k not in same and mine[k] != theirs[k])
         if differ:

@@ -126,7 +126,7 @@ def decode_frontier(
                 if mb == micro_batches[0]:
                     unfit.append(str(err))
                 continue
-            most = perf.kv_capacity_tokens_per_gpu / mean_kv
+            most = perf.kv_requests_per_gpu(mean_kv)
             if most < 1.0:
                 unfit.append(
                     f"{n}-node decode unit: its KV cache holds {format_number(most)} requests per GPU"

@@ -18,9 +18,11 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving import deepep
+from moeinfra.serving.arch import CSA, SLIDING
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
+    FP4_BYTES_PER_WEIGHT,
     Deployment,
     ExpertBalance,
     HardwareSpec,
@@ -30,6 +32,13 @@ from moeinfra.serving.specs import (
 
 DISPATCH_BYTES_PER_TOKEN = 7_392  # 7,168 FP8 values + 56 float32 scales, per destination
 COMBINE_BYTES_PER_TOKEN = 14_336  # 7,168 BF16 values, per destination
+
+
+def token_bytes(hidden: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes of one token row per destination for a model of ``hidden``
+    dimensions: FP8 values with a float32 scale per 128, and BF16 values (V3's 7,168: 7,392 and
+    14,336; V4-Flash's 4,096: 4,224 and 8,192)."""
+    return hidden + 4 * (hidden // 128), 2 * hidden
 
 
 #: FP8 TFLOPS DeepGEMM published for DeepSeek-V3's GEMM shapes on H800 (README, 2025-02), by rows
@@ -375,18 +384,37 @@ class PerfModel:
             )
             if dep.nodes > 1
             else 0.0
-            for i, row_bytes in enumerate((DISPATCH_BYTES_PER_TOKEN, COMBINE_BYTES_PER_TOKEN))
+            for i, row_bytes in enumerate(token_bytes(model.hidden))
         )
+        # DeepEP's low-latency figures move V3's 7,168-dimension rows; another model's rows take
+        # their bytes' share of that time (an assumption: the kernels are bandwidth-bound at 128
+        # tokens; 1 for V3 and V3.2, 4,096/7,168 for V4-Flash)
+        rows = model.hidden / DEEPSEEK_V3.hidden
         self._ll_128 = tuple(
-            _interp_ep({k: v[i] for k, v in low_latency.items()}, self.gpus) * 1e-6 / nic
+            _interp_ep({k: v[i] for k, v in low_latency.items()}, self.gpus) * 1e-6 / nic * rows
             for i in (0, 1)
         )
 
     # ---- memory ----------------------------------------------------------------------------
     @property
     def weight_bytes_per_gpu(self) -> float:
-        """FP8 weights resident on one GPU (attention, shared expert, routed slots, dense MLPs, head)."""
+        """FP8 weights resident on one GPU (attention, shared expert, routed slots, dense MLPs, head);
+        V4's routed experts in FP4 (:data:`FP4_BYTES_PER_WEIGHT`), its attention, compressors,
+        indexer, router and mHC counted at one byte a weight as V3's are."""
         m = self.model
+        if m.v4:
+            parts = m.arch.params().parts
+            per_layer = sum(
+                parts.get(k, 0)
+                for k in ("attention", "indexer", "compressor", "router", "norms_and_mhc")
+            )
+            return float(
+                per_layer * m.num_layers / m.arch.num_layers
+                + m.num_moe_layers * m.num_shared_experts * m.expert_params
+                + m.num_moe_layers * self.balance.slots_per_gpu * m.expert_params
+                * FP4_BYTES_PER_WEIGHT
+                + 2 * m.hidden * m.vocab
+            )  # fmt: skip
         return float(
             m.num_layers * m.attention_params
             + m.num_moe_layers
@@ -404,6 +432,19 @@ class PerfModel:
         free = self.hw.hbm_gb * 1e9 * self.eff.memory_usable - self.weight_bytes_per_gpu
         return max(free, 0.0) / self.model.kv_bytes_per_token
 
+    @property
+    def kv_request_overhead_tokens(self) -> float:
+        """Tokens of KV capacity a request takes whatever its length (0 for MLA): DeepSeek-V4's
+        window and compressor state (``ModelSpec.kv_bytes_per_request``) over its bytes per
+        token. A request of ``n`` tokens holds ``n +`` this many."""
+        m = self.model
+        return m.kv_bytes_per_request / m.kv_bytes_per_token
+
+    def kv_requests_per_gpu(self, mean_kv: float) -> float:
+        """Requests of ``mean_kv`` tokens one GPU's KV cache holds: the capacity over ``mean_kv``
+        plus :attr:`kv_request_overhead_tokens`."""
+        return self.kv_capacity_tokens_per_gpu / (mean_kv + self.kv_request_overhead_tokens)
+
     def memory_use(self, max_context: int = MAX_CONTEXT_TOKENS) -> MemoryUse:
         """What one GPU of this unit holds (:class:`MemoryUse`). Activations of one step: per
         micro-batch of ``n`` tokens (prefill: ``dep.tokens_per_gpu``; decode:
@@ -419,18 +460,24 @@ class PerfModel:
         nb = n / mb
         rows = nb * m.experts_per_token * self.balance.imbalance
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.v4:  # mHC's hc_mult residual streams; per head one query and one output of head_dim
+            residual = (m.arch.hc_mult + 1) * nb * m.hidden * 2
+            heads = nb * m.num_heads * 2 * m.arch.head_dim * 2
+        else:
+            residual = 2 * nb * m.hidden * 2
+            heads = nb * m.num_heads * (2 * qk + m.v_head_dim) * 2
+        dispatch_bytes, combine_bytes = token_bytes(m.hidden)
         per_micro_batch = (
-            2 * nb * m.hidden * 2
-            + nb * m.num_heads * (2 * qk + m.v_head_dim) * 2
+            residual
+            + heads
             + nb * m.index_n_heads * m.index_head_dim * 2
-            + rows
-            * (DISPATCH_BYTES_PER_TOKEN + 2 * m.moe_intermediate * 2 + COMBINE_BYTES_PER_TOKEN)
+            + rows * (dispatch_bytes + 2 * m.moe_intermediate * 2 + combine_bytes)
         )
         head_rows = n / 4096.0 if self.dep.phase == "prefill" else n
         return MemoryUse(
             weights=self.weight_bytes_per_gpu,
             activations=mb * per_micro_batch + head_rows * m.vocab * 4,
-            kv_one_request=float(max_context * m.kv_bytes_per_token),
+            kv_one_request=m.kv_bytes(max_context),
             usable=self.hw.hbm_gb * 1e9 * self.eff.memory_usable,
             hbm=self.hw.hbm_gb * 1e9,
         )
@@ -536,6 +583,97 @@ class PerfModel:
         flops = 2 * m.num_heads * (m.kv_values_per_token_layer + m.kv_lora_rank) * queries
         return self._attention(factor, flops * selected, bytes_read, sm, compute)
 
+    # ---- DeepSeek-V4 -------------------------------------------------------------------------
+    def _v4_projections(self, tokens, sm_fraction: float = 1.0):
+        """Seconds of the weight GEMMs every V4 layer runs for ``tokens`` rows, at the roofline of
+        :meth:`_gemm` (DeepGEMM's table holds V3's shapes, not these): wq_a, wq_b, wkv and the
+        grouped output projection wo_a, wo_b in FP8, and the two mHC mixing projections in
+        float32 (TF32 runs at a quarter of the FP8 peak: 4x the FP8 FLOPs, 4 bytes a weight)."""
+        m, a = self.model, self.model.arch
+        d, h, c, r = m.hidden, m.num_heads, a.head_dim, a.o_lora_rank
+        fp8 = d * m.q_lora_rank + m.q_lora_rank * h * c + d * c + h * c * r + a.o_groups * r * d
+        mhc = 2 * (2 + a.hc_mult) * a.hc_mult * a.hc_mult * d
+        return self._gemm(2 * tokens * fp8, fp8, sm_fraction) + self._gemm(
+            4 * 2 * tokens * mhc, 4 * mhc, sm_fraction
+        )
+
+    def _v4_routed(self, tokens, sm_fraction: float = 1.0):
+        """Seconds of the heaviest GPU's routed experts for ``tokens`` tokens per GPU: FP4 weights
+        times FP8 activations at the FP8 peak ("the peak FLOPs for FP4 x FP8 operations are
+        currently the same as FP8 x FP8", DeepSeek-V4 report, section 1) x ``Efficiency.gemm``,
+        against reading every slot's FP4 weights once (:data:`FP4_BYTES_PER_WEIGHT`)."""
+        m = self.model
+        rows = tokens * m.experts_per_token * self.balance.imbalance
+        weights = self._slots * m.expert_params
+        return self._gemm(2 * rows * m.expert_params, weights * FP4_BYTES_PER_WEIGHT, sm_fraction)
+
+    def _v4_layer(self, kind: str, tokens, context, requests=None, sm_fraction: float = 1.0):
+        """(core attention, compressor + indexer) seconds of one V4 layer of ``kind`` for
+        ``tokens`` query rows at ``context`` tokens each (broadcasts). Core attention: each head
+        scores and sums ``min(context, sliding_window)`` window entries and the compressed ones
+        (CSA: ``min(context / 4, index_topk)``, HCA: ``context / 128``), ``4 x head_dim`` BF16
+        FLOPs per head and entry, at FlashMLA's sparse kernels' share of the BF16 peak (vLLM runs
+        V4's attention on them: ``vllm/models/deepseek_v4/nvidia/flashmla.py``); decoding
+        (``requests`` given) reads the window and HCA's entries once per request and a CSA query's
+        chosen entries per query. Compressor: its BF16 projections (wkv, wgate; x2 the FP8
+        FLOPs and bytes). CSA's indexer: its projections, the logits of every query against every
+        compressed index key at the FP8 GEMM rate (V4 multiplies them in FP4; Hopper has no FP4
+        tensor cores, and no FP4 rate is assumed on other parts either) against reading the keys
+        and writing float32 logits, and the top-k reading them (HBM-bound)."""
+        m, a, hw, eff = self.model, self.model.arch, self.hw, self.eff
+        d, h, c = m.hidden, m.num_heads, a.head_dim
+        ratio = {SLIDING: 0, CSA: 4}.get(kind, 128)
+        context = np.asarray(context, dtype=np.float64)
+        window = np.minimum(context, a.sliding_window)
+        entries = context / ratio if ratio else 0.0 * context
+        chosen = np.minimum(entries, m.index_topk) if kind == CSA else entries
+        flops = 4 * h * c * tokens * (window + chosen)
+        entry = a.entry_bytes(m.kv_cache_dtype)
+        if requests is None:
+            factor, compute, read = eff.attention_time, eff.sparse_prefill_compute, 0.0
+        else:
+            factor, compute = eff.decode_attention_time, eff.sparse_decode_compute
+            once = window + (0.0 if kind == CSA else entries)
+            read = entry * (requests * once + (tokens * chosen if kind == CSA else 0.0))
+        core = self._attention(factor, flops, read, sm_fraction, compute)
+        extra = 0.0 * core
+        if ratio:
+            coff = 2 if kind == CSA else 1
+            weights = 2 * d * coff * c
+            extra = extra + self._gemm(2 * 2 * tokens * weights, 2 * weights, sm_fraction)
+        if kind == CSA:
+            ih, ic = m.index_n_heads, m.index_head_dim
+            fp8 = m.q_lora_rank * ih * ic
+            bf16 = d * ih + 2 * d * 2 * ic  # weights_proj, its compressor's wkv and wgate
+            extra = extra + self._gemm(2 * tokens * fp8, fp8, sm_fraction)
+            extra = extra + self._gemm(2 * 2 * tokens * bf16, 2 * bf16, sm_fraction)
+            keys_read = (tokens if requests is None else requests) * entries
+            extra = extra + self._gemm(
+                2 * ih * ic * tokens * entries,
+                keys_read * a.index_key_bytes(m.kv_cache_dtype) + 4 * tokens * entries,
+                sm_fraction,
+            )
+            extra = extra + 4 * tokens * entries / (hw.hbm_tb_per_s * 1e12 * eff.memory)
+        return core, extra
+
+    def _v4_prefill_attention(self, nb: float, keys: float, sm: float, combine: float = 0.0):
+        """(projections, core attention [layers], compressor + indexer [layers]) seconds of a V4
+        prefill micro-batch of ``nb`` tokens at ``keys`` tokens of context each (the window and
+        compressed entries of :meth:`_v4_layer`), the core attention beside the other
+        micro-batch's combine as :meth:`_prefill_attention` runs it."""
+        proj = float(self._v4_projections(nb, sm))
+        core, extra = {}, {}
+        kinds = self.model.layer_kinds()
+        for kind in set(kinds):
+            full = float(self._v4_layer(kind, nb, keys)[0])  # on every SM, then slowed
+            extra[kind] = float(self._v4_layer(kind, nb, keys, sm_fraction=sm)[1])  # GEMMs
+            core[kind] = float(self._beside_all_to_all(full, sm, combine - proj - extra[kind]))
+        return (
+            proj,
+            np.array([core[k] for k in kinds]),
+            np.array([extra[k] for k in kinds]),
+        )
+
     @staticmethod
     def _beside_all_to_all(full_s, sm: float, comm_s):
         """Seconds of an attention kernel that takes ``full_s`` on every SM, started while an
@@ -586,11 +724,15 @@ class PerfModel:
         to (``keys``, broadcasts), for spreading a step's attention over prompts of different
         lengths: ``keys`` itself for dense attention (FLOPs proportional to it); for sparse
         attention the compute time per token and layer of the indexer's logits plus the cheaper
-        core-attention mode (seconds)."""
+        core-attention mode (seconds); for DeepSeek-V4 a token's core attention and indexer
+        seconds over its layers (:meth:`_v4_layer`, one row)."""
         keys = np.asarray(keys, dtype=np.float64)
         m, hw, eff = self.model, self.hw, self.eff
         if not m.sparse:
             return keys
+        if m.v4:
+            kinds = m.layer_kinds()
+            return sum(kinds.count(k) * sum(self._v4_layer(k, 1.0, keys)) for k in set(kinds))
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         bf16 = hw.bf16_tflops * 1e12
         mha = 2 * m.num_heads * (qk + m.v_head_dim) * keys / (bf16 * eff.mha_prefill_compute)
@@ -652,11 +794,18 @@ class PerfModel:
         on fewer rows than it is on more (it could run them padded)."""
         grid = np.arange(-4.0, 20.0 + 1 / 32, 1 / 16)
         tokens = 2.0**grid
-        curves = (
-            self._mla_projections(tokens, tokens),
-            self._experts("", tokens, self.model.num_shared_experts),
-            self._experts("_masked", self._rows_per_expert(tokens), self._slots),
-        )
+        if self.model.v4:
+            curves = (
+                self._v4_projections(tokens),
+                self._experts("", tokens, self.model.num_shared_experts),
+                self._v4_routed(tokens),
+            )
+        else:
+            curves = (
+                self._mla_projections(tokens, tokens),
+                self._experts("", tokens, self.model.num_shared_experts),
+                self._experts("_masked", self._rows_per_expert(tokens), self._slots),
+            )
         return (grid, *(np.maximum.accumulate(c) for c in curves))
 
     @property
@@ -691,16 +840,22 @@ class PerfModel:
         nb = n / mb
         sm = eff.prefill_compute_sms if mb == 2 and self.gpus > 1 else 1.0
         shared = self._experts("", nb, m.num_shared_experts, sm)
-        routed = self._experts("_contiguous", self._rows_per_expert(nb), self._slots, sm)
+        if m.v4:
+            routed = self._v4_routed(nb, sm)
+        else:
+            routed = self._experts("_contiguous", self._rows_per_expert(nb), self._slots, sm)
         gate = self._gemm(
             2 * nb * m.hidden * m.num_routed_experts, m.hidden * m.num_routed_experts, sm
         )
         dense = self._gemm(2 * nb * m.dense_mlp_params, m.dense_mlp_params, sm)
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
         routed, dispatch, combine, sources = self._measured(nb, sm, routed, dispatch, combine)
-        attn_proj, core, indexer = self._prefill_attention(
-            nb, keys, cached_per_token, sm, float(combine)
-        )
+        if m.v4:
+            attn_proj, core, indexer = self._v4_prefill_attention(nb, keys, sm, float(combine))
+        else:
+            attn_proj, core, indexer = self._prefill_attention(
+                nb, keys, cached_per_token, sm, float(combine)
+            )
         parts = (attn_proj, core, shared, routed, gate, dense, dispatch, combine)
         return self._assemble(
             "prefill",
@@ -736,8 +891,12 @@ class PerfModel:
         parts = self._decode_parts(np.asarray(batch_per_gpu, float), np.asarray(mean_kv, float), q)
         nb = batch_per_gpu * q / self.dep.micro_batches
         routed, dispatch, combine, sources = self._measured(nb, 1.0, *parts[3:4], *parts[6:8])
-        indexer = parts[8]
-        parts = (*parts[:3], routed, *parts[4:6], dispatch, combine)
+        core, indexer = parts[1], parts[8]
+        if self.model.v4:  # per kind -> per layer
+            kinds = self.model.layer_kinds()
+            core = np.array([float(core[k]) for k in kinds])
+            indexer = np.array([float(indexer[k]) for k in kinds])
+        parts = (parts[0], core, parts[2], routed, *parts[4:6], dispatch, combine)
         return self._assemble(
             "decode",
             batch_per_gpu,
@@ -822,7 +981,11 @@ class PerfModel:
         grid, attn_curve, shared_curve, routed_curve = self._decode_gemm_curves
         attn_proj = np.interp(log_tokens, grid, attn_curve)
         kv_vals = m.kv_values_per_token_layer
-        if m.sparse:
+        if m.v4:  # {kind: seconds}
+            core, indexer = {}, {}
+            for kind in set(m.layer_kinds()):
+                core[kind], indexer[kind] = self._v4_layer(kind, tokens, kv, requests=nb)
+        elif m.sparse:
             core = self._sparse_mla(
                 self.eff.decode_attention_time,
                 tokens,
@@ -871,11 +1034,20 @@ class PerfModel:
             routed, dispatch, combine = self._measured_many(
                 b * queries / mb, routed, dispatch, combine
             )
+        head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)
+        if m.v4:  # every layer MoE; attention by layer kind
+            layers = 0.0
+            for kind in set(m.layer_kinds()):
+                attention = attn_proj + core[kind] + indexer[kind] + gate
+                count = m.layer_kinds().count(kind)
+                layers = layers + count * _overlapped(
+                    mb, attention, shared + routed, dispatch, combine
+                )
+            return layers + head + self.eff.step_overhead_s
         if m.sparse:  # dense models add nothing: their numbers stay bit for bit
             core = core + indexer
         moe_layer = _overlapped(mb, attn_proj + core + gate, shared + routed, dispatch, combine)
         dense_layer = mb * (attn_proj + core + dense)
-        head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)
         layers = m.num_moe_layers * moe_layer + m.num_dense_layers * dense_layer
         return layers + head + self.eff.step_overhead_s
 
@@ -904,9 +1076,14 @@ class PerfModel:
         layers = m.num_layers
         is_moe = np.arange(layers) >= m.num_dense_layers
         f = float
+
+        def per_layer(x):  # a scalar, or [layers] (V4: by layer kind)
+            return np.broadcast_to(np.asarray(x, dtype=np.float64), (layers,))
+
+        core = per_layer(core)
         parts = {
             "attn_proj": np.full(layers, mb * f(attn_proj)),
-            "core_attn": np.full(layers, mb * f(core)),
+            "core_attn": mb * core,
             "shared": np.where(is_moe, mb * f(shared), 0.0),
             "routed": np.where(is_moe, mb * f(routed), 0.0),
             "gate": np.where(is_moe, mb * f(gate), 0.0),
@@ -914,12 +1091,13 @@ class PerfModel:
             "dispatch": np.where(is_moe, mb * f(dispatch), 0.0),
             "combine": np.where(is_moe, mb * f(combine), 0.0),
         }
-        attention = f(attn_proj) + f(core) + f(gate)
+        attention = f(attn_proj) + core + f(gate)
         if indexer is not None:
-            parts = {"attn_proj": parts["attn_proj"], INDEXER: np.full(layers, mb * f(indexer))} | {
+            indexer = per_layer(indexer)
+            parts = {"attn_proj": parts["attn_proj"], INDEXER: mb * indexer} | {
                 k: v for k, v in parts.items() if k != "attn_proj"
             }
-            attention += f(indexer)
+            attention = attention + indexer
         compute = sum(v for k, v in parts.items() if k not in ("dispatch", "combine"))
         comm = parts["dispatch"] + parts["combine"]
         moe_layer = _overlapped(mb, attention, f(shared) + f(routed), f(dispatch), f(combine))

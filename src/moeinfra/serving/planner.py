@@ -499,7 +499,7 @@ def _unit_bounds(workload: Workload, models: dict, drain_s: float):
         if prefill is not None:
             per_request += computed * prefill.prefill_seconds_per_token(hit, float(inputs.mean()))
         if decode is not None:
-            fullest = decode.kv_capacity_tokens_per_gpu / mean_kv
+            fullest = decode.kv_requests_per_gpu(mean_kv)
             limit = decode.dep.max_batch_per_gpu
             batch = fullest if limit is None else min(fullest, limit)
             per_request += generated * decode_seconds_per_token(decode, batch, mean_kv)

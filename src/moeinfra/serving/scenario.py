@@ -80,7 +80,7 @@ def decode_seconds_per_token(decode: PerfModel, batch_per_gpu: float, mean_kv: f
 def batch_at_step(decode: PerfModel, step_s: float, mean_kv: float) -> float:
     """Largest requests per GPU whose decode step is at most ``step_s`` (at most what the KV cache
     holds at ``mean_kv``); the step grows with the batch, so bisection finds it."""
-    full = decode.kv_capacity_tokens_per_gpu / max(mean_kv, 1.0)
+    full = decode.kv_requests_per_gpu(max(mean_kv, 1.0))
     smallest = float(decode.decode_step_s(1e-3, mean_kv))
     if step_s < smallest:
         raise InputError(

@@ -261,12 +261,18 @@ def simulate(
         colocated unit decodes where it prefilled)."""
         if colocated:
             return first_token[idx]
-        transfer = inputs[idx] * prefill.model.kv_bytes_per_token / (prefill.hw.rdma_gb_per_s * 1e9)
+        model = prefill.model
+        kv_bytes = inputs[idx] * model.kv_bytes_per_token + model.kv_bytes_per_request
+        transfer = kv_bytes / (prefill.hw.rdma_gb_per_s * 1e9)
         return first_token[idx] + transfer
 
     # ---- state ----
     p_max, d_max = schedule.max_units
     kv_cap_unit = decode.kv_capacity_tokens_per_gpu * decode.gpus
+    # what a request takes of that capacity: its tokens, and (DeepSeek-V4) its window and
+    # compressor state whatever its length
+    overhead = decode.kv_request_overhead_tokens
+    kv_inputs = inputs + overhead if overhead else inputs
     limit = decode.dep.max_batch_per_gpu
     batch_cap_unit = np.inf if limit is None else limit * decode.gpus
     if batch_cap_unit < S:
@@ -390,7 +396,7 @@ def simulate(
         # ---- decode admission ----
         if pend.size:
             a_idx, a_unit, a_done, a_from, pend = admit_ready(
-                pend, ready_s(pend), t0, t1, a_idx, a_unit, a_done, a_from, inputs, outputs,
+                pend, ready_s(pend), t0, t1, a_idx, a_unit, a_done, a_from, kv_inputs, outputs,
                 home, d_units, d_max, S, kv_cap_unit, batch_cap_unit, cfg.max_decode_wait_s,
                 status, reason, REJECTED,
             )  # fmt: skip

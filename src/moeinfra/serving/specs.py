@@ -1,7 +1,8 @@
 """What is being served on what: model shape, GPU/node hardware, and a prefill or decode deployment unit.
 
-Presets: :data:`MODELS` (``deepseek-v3`` and ``deepseek-v3.2``, each built from DeepSeek's published
-``config.json``, shipped as data: :func:`model`), :data:`HARDWARE` (``h800`` with DeepSeek's
+Presets: :data:`MODELS` (``deepseek-v3``, ``deepseek-v3.2``, ``deepseek-v4-flash`` and
+``deepseek-v4-pro``, each built from DeepSeek's published ``config.json``, shipped as data:
+:func:`model`), :data:`HARDWARE` (``h800`` with DeepSeek's
 published figures, ``h100``/``h200``/``b200`` with vendor peak figures), :func:`deepseek_prefill_unit`
 and :func:`deepseek_decode_unit` (the units DeepSeek described on 2025-02-28).
 """
@@ -16,11 +17,19 @@ from moeinfra.errors import InputError
 # The byte formats of a cached entry and the published configs are the architecture's arithmetic
 # (moeinfra.serving.arch), described once; re-exported here for the serving model's callers.
 from moeinfra.serving.arch import (
+    CSA,
     KV_CACHE_DTYPES,
+    SLIDING,
+    Architecture,
     index_key_bytes,
     mla_latent_bytes,
+    published,
     published_config,
 )
+
+#: Bytes per weight of DeepSeek-V4's routed experts: MXFP4, two E2M1 values a byte and one UE8M0
+#: scale per 32 values (the published checkpoints' ``weight_scale_inv``).
+FP4_BYTES_PER_WEIGHT = 0.5 + 1 / 32
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,9 @@ class ModelSpec:
     indexer (V3.2: 64 heads of 128 dimensions, top 2,048 tokens); 0 for dense attention (V3).
     ``kv_cache_dtype``: how the cache is stored (:data:`KV_CACHE_DTYPES`), a choice of the serving
     engine rather than of the architecture, kept here because every byte count reads it.
+    ``arch``: DeepSeek-V4's :class:`~moeinfra.serving.arch.Architecture` (None for the MLA models):
+    its layers differ by kind (window, CSA, HCA), so the performance model reads them there; the
+    MLA fields are 0 for it (:meth:`from_architecture`).
     """
 
     name: str = "deepseek-v3"
@@ -55,6 +67,7 @@ class ModelSpec:
     index_head_dim: int = 0
     index_topk: int = 0
     kv_cache_dtype: str = "bf16"
+    arch: Architecture | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,6 +129,77 @@ class ModelSpec:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise InputError(f"config.json of {name}: missing or bad key ({err!r})") from None
+
+    @classmethod
+    def from_architecture(cls, arch: Architecture) -> ModelSpec:
+        """The spec of a DeepSeek-V4 architecture: its MoE and indexer dimensions here, its
+        attention (per layer kind) read from ``arch``. No dense layers, no expert groups (V4
+        routes each token to ``experts_per_token`` of all experts: no node limit)."""
+        if not arch.v4:
+            raise InputError(f"{arch.name}: from_architecture takes a DeepSeek-V4 architecture")
+        return cls(
+            name=arch.name,
+            num_layers=arch.num_layers,
+            num_dense_layers=0,
+            hidden=arch.hidden,
+            num_heads=arch.num_heads,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=0,
+            qk_nope_head_dim=0,
+            qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=0,
+            num_routed_experts=arch.num_routed_experts,
+            num_expert_groups=1,
+            experts_per_token=arch.experts_per_token,
+            groups_per_token=1,
+            num_shared_experts=arch.num_shared_experts,
+            moe_intermediate=arch.moe_intermediate,
+            dense_intermediate=0,
+            vocab=arch.vocab,
+            index_n_heads=arch.index_n_heads,
+            index_head_dim=arch.index_head_dim,
+            index_topk=arch.index_topk,
+            arch=arch,
+        )
+
+    @property
+    def v4(self) -> bool:
+        """True for DeepSeek-V4 (window + compressed attention, :attr:`arch`)."""
+        return self.arch is not None
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """V4's kind of each of :attr:`num_layers` layers: the architecture's, and for a
+        multi-token-prediction layer the performance model adds, the window alone (the published
+        configs' ``compress_ratios`` give the MTP layer ratio 0)."""
+        if self.arch is None:
+            raise InputError(f"{self.name} is not a DeepSeek-V4 model")
+        kinds = self.arch.layer_kinds
+        return kinds + (SLIDING,) * (self.num_layers - len(kinds))
+
+    @property
+    def kv_bytes_per_request(self) -> float:
+        """KV bytes a request holds whatever its length (0 for MLA): V4's window, ``sliding_window``
+        entries per layer (at most; fewer below that context), and its compressors' open-window
+        state (:attr:`Architecture.compressor_state_bytes`). With :attr:`kv_bytes_per_token`,
+        ``kv_bytes_per_request + context x kv_bytes_per_token`` bounds :meth:`kv_bytes` from
+        above, by less than one window (Flash in FP8: 15.2 MB + 3,524 bytes per token)."""
+        if self.arch is None:
+            return 0.0
+        a = self.arch
+        window = len(self.layer_kinds()) * a.sliding_window * a.entry_bytes(self.kv_cache_dtype)
+        return float(window + a.compressor_state_bytes)
+
+    def kv_bytes(self, context: float) -> float:
+        """KV-cache bytes of one request of ``context`` tokens (MLA: ``context`` x
+        :attr:`kv_bytes_per_token`; V4: :meth:`Architecture.kv_bytes` plus the compressor state)."""
+        if self.arch is None:
+            return float(context * self.kv_bytes_per_token)
+        a = self.arch
+        extra = self.num_layers - a.num_layers  # the MTP layer: a window
+        window = extra * min(context, a.sliding_window) * a.entry_bytes(self.kv_cache_dtype)
+        return float(
+            a.kv_bytes(int(context), self.kv_cache_dtype) + window + a.compressor_state_bytes
+        )
 
     def with_kv_cache_dtype(self, dtype: str) -> ModelSpec:
         """This model with its cache stored as ``dtype`` (:data:`KV_CACHE_DTYPES`)."""
@@ -192,7 +276,16 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token over all layers: latent + index key per layer x layers. BF16:
         1,152 x 61 = 70,272 for V3, (1,152 + 256) x 61 = 85,888 for V3.2; FP8: 576 x 61 = 35,136
-        for V3, (656 + 132) x 61 = 48,068 for V3.2."""
+        for V3, (656 + 132) x 61 = 48,068 for V3.2. V4: the compressed entries' share, every
+        layer's ``(entry + index key) / ratio`` (its window is :attr:`kv_bytes_per_request`)."""
+        if self.arch is not None:
+            a = self.arch
+            entry, key = a.entry_bytes(self.kv_cache_dtype), a.index_key_bytes(self.kv_cache_dtype)
+            return sum(
+                (entry + (key if kind == CSA else 0)) / ratio
+                for kind, ratio in zip(a.layer_kinds, a.compress_ratios, strict=True)
+                if ratio
+            )
         per_layer = self.latent_bytes_per_token_layer + self.index_key_bytes_per_token_layer
         return per_layer * self.num_layers
 
@@ -245,10 +338,13 @@ class HardwareSpec:
 
 
 #: Architectures served, each from DeepSeek's published ``config.json``: DeepSeek-V3 (also
-#: V3.1-Terminus, R1: the same shape) and DeepSeek-V3.2 (V3.2-Exp's config: V3 plus the indexer).
+#: V3.1-Terminus, R1: the same shape), DeepSeek-V3.2 (V3.2-Exp's config: V3 plus the indexer),
+#: DeepSeek-V4-Flash and V4-Pro (:func:`moeinfra.serving.arch.published`).
 MODELS: dict[str, ModelSpec] = {
     "deepseek-v3": ModelSpec.from_config(published_config("deepseek-v3"), "deepseek-v3"),
     "deepseek-v3.2": ModelSpec.from_config(published_config("deepseek-v3.2-exp"), "deepseek-v3.2"),
+    "deepseek-v4-flash": ModelSpec.from_architecture(published("deepseek-v4-flash")),
+    "deepseek-v4-pro": ModelSpec.from_architecture(published("deepseek-v4-pro")),
 }
 DEEPSEEK_V3 = MODELS["deepseek-v3"]
 DEEPSEEK_V32 = MODELS["deepseek-v3.2"]
@@ -436,10 +532,18 @@ def expert_balance(model: ModelSpec, hw: HardwareSpec, dep: Deployment) -> Exper
         seed=dep.load_seed,
     )
     plan = rebalance(load, slots, model.num_expert_groups, dep.nodes, gpus)
-    summary = evaluate(plan, load, groups_per_token=model.groups_per_token).summary()
+    summary = evaluate(
+        plan,
+        load,
+        groups_per_token=model.groups_per_token,
+        experts_per_token=model.experts_per_token,
+    ).summary()
+    # node-limited routing (V3: a token's experts in at most 4 groups) caps the nodes a token
+    # reaches; without groups (V4) only its experts do
+    reach = model.groups_per_token if model.num_expert_groups > 1 else model.experts_per_token
     result = ExpertBalance(
         imbalance=float(summary["max_over_mean"]),
-        nodes_per_token=float(min(summary["nodes_per_token"], model.groups_per_token, dep.nodes)),
+        nodes_per_token=float(min(summary["nodes_per_token"], reach, dep.nodes)),
         slots_per_gpu=slots // gpus,
         gpus_per_token=float(min(summary["gpus_per_token"], model.experts_per_token, gpus)),
         summary=summary,

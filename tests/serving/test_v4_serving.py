@@ -1,0 +1,199 @@
+"""DeepSeek-V4 in the serving model: the presets from DeepSeek's published configs, KV bytes by
+context (a bounded window, compressed entries and compressor state), decode and prefill by layer
+kind, the memory fit, and the CLI (docs/serving-model.md, "DeepSeek-V4 in the performance
+model")."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moeinfra.errors import InputError
+from moeinfra.serving.arch import CSA, HCA, SLIDING, published
+from moeinfra.serving.calibration import load_calibration
+from moeinfra.serving.perfmodel import INDEXER, PerfModel
+from moeinfra.serving.planner import candidate_shapes
+from moeinfra.serving.specs import (
+    Deployment,
+    fitting_redundant_experts,
+    hardware,
+    model,
+)
+
+H800 = hardware("h800")
+NAMES = ("deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
+MILLION = 1 << 20
+
+
+def decode_unit(name: str, dtype: str = "fp8", nodes: int = 18, **kw) -> PerfModel:
+    m = model(name, dtype)
+    dep = Deployment(
+        "decode", nodes, fitting_redundant_experts(nodes, 8, m.num_routed_experts), **kw
+    )
+    return PerfModel(dep, H800, m)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return {name: decode_unit(name) for name in NAMES}
+
+
+def test_the_v4_presets_are_the_published_architectures():
+    for name in ("deepseek-v4-flash", "deepseek-v4-pro"):
+        m, a = model(name), published(name)
+        assert m.v4 and m.arch == a and m.sparse
+        assert (m.num_layers, m.hidden, m.num_routed_experts, m.experts_per_token) == (
+            a.num_layers,
+            a.hidden,
+            a.num_routed_experts,
+            a.experts_per_token,
+        )
+        assert m.num_dense_layers == 0 and m.num_expert_groups == 1
+    assert not model("deepseek-v3.2").v4
+    with pytest.raises(InputError, match="DeepSeek-V4"):
+        model("deepseek-v3").from_architecture(published("deepseek-v3"))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-pro"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_kv_bytes_are_the_architectures_plus_compressor_state_and_bounded_by_the_affine_form(
+    name, dtype
+):
+    m, a = model(name, dtype), published(name)
+    for context in (1, 100, 128, 4096, 131_072, MILLION):
+        exact = m.kv_bytes(context)
+        assert exact == a.kv_bytes(context, dtype) + a.compressor_state_bytes
+        bound = m.kv_bytes_per_request + context * m.kv_bytes_per_token
+        assert exact <= bound + 1e-6
+        # the bound is off by less than one window's entries per layer
+        assert bound - exact < a.num_layers * a.sliding_window * a.entry_bytes(dtype)
+
+
+def test_kv_at_1m_tokens_is_the_published_share_of_v32s():
+    """The V4 model card: at 1M tokens of context V4-Flash needs 7% and V4-Pro 10% of V3.2's KV
+    cache; counted from the configs (both caches in FP8, as DeepSeek stores them)."""
+    v32 = model("deepseek-v3.2", "fp8").kv_bytes(MILLION)
+    flash = model("deepseek-v4-flash", "fp8").kv_bytes(MILLION) / v32
+    pro = model("deepseek-v4-pro", "fp8").kv_bytes(MILLION) / v32
+    assert flash == pytest.approx(0.07, abs=0.01)
+    assert pro == pytest.approx(0.10, abs=0.01)
+
+
+def test_a_gpu_holds_far_more_long_requests_of_v4_than_of_v32(decode):
+    v32 = decode["deepseek-v3.2"]
+    for context in (131_072, MILLION):
+        held = {n: p.kv_requests_per_gpu(context) for n, p in decode.items()}
+        # KV per request alone would give 1/0.07 and 1/0.10; V4-Flash's lighter weights leave
+        # more HBM to the cache, V4-Pro's heavier ones less
+        assert held["deepseek-v4-flash"] > 14 * held["deepseek-v3.2"]
+        assert held["deepseek-v4-pro"] > 5 * held["deepseek-v3.2"]
+        assert held["deepseek-v3.2"] < held["deepseek-v3"]
+    assert v32.kv_request_overhead_tokens == 0.0
+    flash = decode["deepseek-v4-flash"]
+    assert flash.kv_request_overhead_tokens == pytest.approx(
+        flash.model.kv_bytes_per_request / flash.model.kv_bytes_per_token
+    )
+
+
+def test_the_memory_fit_reads_the_kv_of_one_full_context_request_and_fp4_experts(decode):
+    flash = decode["deepseek-v4-flash"]
+    use = flash.memory_use()
+    assert use.fits and use.kv_one_request == flash.model.kv_bytes(131_072)
+    m = flash.model
+    # FP4 routed slots: 0.53 bytes a weight, against V3's one
+    routed = m.num_moe_layers * flash.balance.slots_per_gpu * m.expert_params
+    assert flash.weight_bytes_per_gpu > routed * 0.53125
+    assert flash.weight_bytes_per_gpu < decode["deepseek-v3.2"].weight_bytes_per_gpu
+
+
+def test_decode_by_layer_kind_and_the_vectorised_step_agree(decode):
+    flash = decode["deepseek-v4-flash"]
+    kinds = flash.model.layer_kinds()
+    for context in (64, 4096, 131_072):
+        b = flash.decode_breakdown(32, context)
+        assert b.step_s == pytest.approx(float(flash.decode_step_s(32, context)), rel=1e-12)
+        assert INDEXER in b.parts
+        first = {k: kinds.index(k) for k in (SLIDING, CSA, HCA)}
+        # the window alone has no compressor or indexer; CSA's indexer is the largest
+        assert b.parts[INDEXER][first[SLIDING]] == 0.0
+        assert b.parts[INDEXER][first[CSA]] > b.parts[INDEXER][first[HCA]] > 0.0
+    many = flash.decode_step_s(np.array([8.0, 32.0]), np.array([4096.0, 131_072.0]))
+    assert many[1] == pytest.approx(float(flash.decode_step_s(32, 131_072)), rel=1e-12)
+
+
+def test_v4_attention_grows_with_the_context_only_through_its_compressed_entries(decode):
+    flash = decode["deepseek-v4-flash"]
+    kinds = flash.model.layer_kinds()
+    core = {c: flash.decode_breakdown(32, c).parts["core_attn"] for c in (2048, 32_768, MILLION)}
+    window = kinds.index(SLIDING)
+    assert core[2048][window] == core[MILLION][window]  # 128 entries at any context
+    csa = kinds.index(CSA)
+    assert core[32_768][csa] == core[MILLION][csa]  # index_topk entries from 2,048 x 4 on
+    hca = kinds.index(HCA)
+    assert core[2048][hca] < core[32_768][hca] < core[MILLION][hca]
+
+
+def test_a_long_context_decode_step_is_cheaper_on_v4_than_on_v32(decode):
+    for context in (131_072, MILLION):
+        v32 = float(decode["deepseek-v3.2"].decode_step_s(32, context))
+        assert float(decode["deepseek-v4-flash"].decode_step_s(32, context)) < v32
+        assert float(decode["deepseek-v4-pro"].decode_step_s(32, context)) < v32
+
+
+def test_prefill_by_layer_kind():
+    m = model("deepseek-v4-pro", "fp8")
+    dep = Deployment("prefill", 4, fitting_redundant_experts(4, 8, m.num_routed_experts))
+    p = PerfModel(dep, H800, m)
+    short = p.prefill_breakdown(attn_keys_per_token=1024)
+    long = p.prefill_breakdown(attn_keys_per_token=65_536)
+    assert long.step_s > short.step_s
+    assert p.prefill_attention_weight(65_536) > p.prefill_attention_weight(1024) > 0
+    assert p.prefill_seconds_per_token() > 0
+
+
+def test_mtp_adds_a_window_layer():
+    p = decode_unit("deepseek-v4-flash", mtp_acceptance=0.85)
+    kinds = p.model.layer_kinds()
+    assert len(kinds) == published("deepseek-v4-flash").num_layers + 1 and kinds[-1] == SLIDING
+    b = p.decode_breakdown(16, 8192)
+    assert b.step_s == pytest.approx(float(p.decode_step_s(16, 8192)), rel=1e-12)
+
+
+def test_v4_pro_units_spread_384_experts():
+    shapes = candidate_shapes(routed_experts=384)
+    for shape in shapes:
+        slots = 384 + shape.redundant_experts
+        assert slots % (shape.nodes * 8) == 0
+
+
+def test_no_v3_calibration_carries_to_v4():
+    cal = load_calibration("rtp-llm-h800")
+    with pytest.raises(InputError, match="--calibration none"):
+        cal.with_model(model("deepseek-v4-flash"))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_serve_model_takes_v4_on_first_principles_and_states_what_it_assumes():
+    run = cli("model", "--model", "deepseek-v4-flash", "--phase", "decode", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["calibration"] == "none"
+    assert out["model"]["name"] == "deepseek-v4-flash" and out["model"]["assumed"]
+    assert out["model"]["kv_bytes_per_request"] > 0
+    assert len(out["layers"]) == 43
+    run = cli("model", "--model", "deepseek-v4-pro", "--phase", "prefill")
+    assert run.returncode == 0, run.stderr
+    assert "window 128 + compressed entries (CSA top 1,024, HCA all)" in run.stdout
+    run = cli("model", "--model", "deepseek-v4-pro", "--calibration", "rtp-llm-h800")
+    assert run.returncode == 2
+    assert run.stderr.count("\n") <= 1 and "--calibration none" in run.stderr
