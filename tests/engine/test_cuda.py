@@ -206,3 +206,44 @@ def test_server_unit_on_cuda_answers_openai_requests(tiny_path, prompt_ids, refe
         assert reply["choices"][0]["text"] == Tokenizer(tiny_path).decode(reference[1])
     finally:
         assert server.stop() == 0, "".join(server.log)
+
+
+@pytest.fixture(scope="module")
+def v4_on_cuda(tmp_path_factory):
+    """A tiny DeepSeek-V4 (every layer kind), its prompts and transformers' float32 greedy
+    continuations computed on the GPU."""
+    import transformers
+
+    path = init_tiny(tmp_path_factory.mktemp("v4") / "v4", tokenizer="bpe", arch="deepseek_v4")
+    tok = Tokenizer(path)
+    text = "Prefill and decode are disaggregated: a prefill unit computes the KV cache and hands it"
+    prompts = [tok.encode(text + suffix) for suffix in (" over", " to a decode unit", " back")]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf = hf.to(CUDA).eval()
+    reference = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = hf.generate(
+                torch.tensor([ids], device=CUDA),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            reference.append(gen[0, len(ids) :].tolist())
+    return path, prompts, reference
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_batched_tokens": 24, "block_size": 16, "num_kv_blocks": 8, "max_num_seqs": 8}],
+    ids=["plain", "chunked-prefix-preempt"],
+)
+def test_deepseek_v4_float32_on_cuda_greedy_equals_transformers_on_cuda(v4_on_cuda, options):
+    path, prompts, reference = v4_on_cuda
+    llm = LLM(path, device="cuda", dtype="float32", **options)
+    core = llm._core
+    assert core.cache.data.is_cuda and all(p.is_cuda for p in core.model.parameters())
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert core.blocks.num_used_blocks == 0

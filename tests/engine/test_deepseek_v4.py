@@ -98,11 +98,11 @@ def test_logits_match_transformers_over_chunks_and_decode(v4_path, hf_v4):
     assert ref.abs().max() > 5
 
 
-def test_a_sequence_resumes_at_a_checkpoint_from_shared_blocks(v4_path, hf_v4):
+def test_a_sequence_resumes_at_a_block_boundary_from_shared_blocks(v4_path, hf_v4):
     """What a prefix hit, a preemption or a hand-off does: a new sequence reads the blocks another
-    computed and goes on from a checkpoint (position 32), rebuilding what it holds outside the
-    cache — its window keys from the checkpoint, CSA's last window from the previous block's tail —
-    logits equal transformers' past the checkpoint; resuming elsewhere is refused."""
+    computed and goes on from a block boundary (position 32), rebuilding what it holds outside the
+    cache — its window keys from the block's checkpoint, CSA's last window from its tail — logits
+    equal transformers' past the boundary; resuming inside a block is refused."""
     arch, config, model = one_rank_model(v4_path)
     ids = [(5 * i) % 1000 + 7 for i in range(60)]
     cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
@@ -114,7 +114,7 @@ def test_a_sequence_resumes_at_a_checkpoint_from_shared_blocks(v4_path, hf_v4):
     with torch.no_grad():
         ref = hf_v4(torch.tensor([ids])).logits[0, 32:]
     assert (ours - ref).abs().max() < LOGIT_TOL
-    with pytest.raises(RuntimeError, match=r"every 32 tokens\), not at position 40"):
+    with pytest.raises(RuntimeError, match=r"every 16 tokens\), not at position 40"):
         model(torch.tensor(ids[40:41]), [Segment(2, 40, 1)], StepCache(cache, {2: table}), "none")
 
 
@@ -184,6 +184,26 @@ def test_one_rank_greedy_equals_transformers(v4_path, v4_prompts, v4_reference, 
 
 
 @pytest.mark.timeout(300)
+def test_prompts_sharing_a_block_then_parting_resume_from_their_own_blocks(
+    v4_path, hf_v4, v4_prompts
+):
+    """Prompts that share their first block and part in the second, too little memory for all of
+    them (preemption) and prefix caching: a preempted request resumes from its own cached blocks,
+    whose window checkpoint only it wrote (a checkpoint spread over blocks another prompt shares
+    would be overwritten by that prompt's)."""
+    from moeinfra.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(v4_path)
+    text = "Prefill and decode are disaggregated: a prefill unit computes the KV cache and hands it"
+    prompts = [tok.encode(text + tail) for tail in (" over", " to a decode unit", " back")]
+    assert len({tuple(p[:16]) for p in prompts}) == 1 and min(map(len, prompts)) > 16
+    llm = LLM(v4_path, block_size=16, num_kv_blocks=8, max_num_seqs=8)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check(outputs, _generate(hf_v4, prompts), prompts)
+    assert llm._core.scheduler.num_preemptions > 0
+    assert any(o.num_cached_tokens > 0 for o in outputs)
+
+
 def test_two_ranks_greedy_equals_transformers(v4_path, v4_prompts, v4_reference):
     options = {"redundant_experts": 2, "max_num_batched_tokens": 32, "block_size": 16}
     with LLM(v4_path, ranks=2, timeout_s=240, **options) as llm:
@@ -233,8 +253,8 @@ def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
 
 
 def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
-    """Per token and layer the cache holds a share of the window checkpoint (the 7 window keys
-    before every 32nd position, spread over those 32 tokens), a 1/ratio slice of its window's entry
+    """Per token and layer the cache holds a share of its block's window checkpoint (the 7 window
+    keys before the block's end, spread over its 16 tokens), a 1/ratio slice of its window's entry
     and index key, and a 1/block share of its block's CSA tail; a running request holds its last 7
     window keys and at most its open windows' projections (and CSA's last whole window's)."""
     from moeinfra.engine.models.deepseek_v4 import (
@@ -247,17 +267,17 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
     v4, block = config.v4, 16
     layout = arch.kv_layout(config, torch.float32, block)
     csa, hca = 4, 16
-    assert checkpoint_tokens(config, block) == 32 == 4 * v4.sliding_window
+    assert checkpoint_tokens(config, block) == block
     assert tail_values(v4) == csa * 2 * (v4.head_dim + v4.index_head_dim)
-    window_share = -(-(v4.sliding_window - 1) * v4.head_dim // 32)
+    window_share = -(-(v4.sliding_window - 1) * v4.head_dim // block)
     csa_layer = (
         window_share + (v4.head_dim + v4.index_head_dim) // csa + -(-tail_values(v4) // block)
     )
     hca_layer = window_share + v4.head_dim // hca
     # layers: window only, CSA, HCA, CSA
-    assert (window_share, csa_layer, hca_layer) == (7, 43, 9)
-    assert layout.values_per_token == window_share + 2 * csa_layer + hca_layer == 102
-    assert layout.bytes_per_token == 102 * 4
+    assert (window_share, csa_layer, hca_layer) == (14, 50, 16)
+    assert layout.values_per_token == window_share + 2 * csa_layer + hca_layer == 130
+    assert layout.bytes_per_token == 130 * 4
     cache = PagedKVCache(layout, num_blocks=4, block_size=block)
     assert cache.nbytes == layout.bytes_per_token * 4 * block
     # 47 tokens: HCA's open window holds 15 (ratio - 1), CSA's 3 plus its last whole window's 4
@@ -275,20 +295,22 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
 
 
 def test_published_v4_flash_cache_per_token(v4_path):
-    """DeepSeek-V4-Flash (bf16, 128-token blocks, a checkpoint every 512 tokens): every layer 127
-    window-checkpoint values; its 21 CSA layers 128 entry-slice + 32 index-key-slice + 40 tail
-    values more, its 20 HCA layers a 4-value entry slice."""
+    """DeepSeek-V4-Flash (bf16): every layer a share of its block's window checkpoint (127 keys of
+    512 over the block: 508 values with 128-token blocks, 127 with 512); its 21 CSA layers 128
+    entry-slice + 32 index-key-slice + tail values more, its 20 HCA layers a 4-value entry slice."""
     from moeinfra.engine.hf_config import published_config
     from moeinfra.engine.registry import architecture
 
     raw = published_config("deepseek-v4-flash")
     arch = architecture(raw["model_type"])
-    layout = arch.kv_layout(arch.parse_config(raw, "config.json"), torch.bfloat16, 128)
-    window_share = 127 * 512 // (4 * 128)
-    csa = window_share + 512 // 4 + 128 // 4 + 4 * 2 * (512 + 128) // 128
-    hca = window_share + 512 // 128
-    assert layout.values_per_token == 21 * csa + 20 * hca + 2 * window_share == 9_741
-    assert layout.bytes_per_token == 19_482
+    config = arch.parse_config(raw, "config.json")
+    for block, bytes_per_token in ((128, 52_248), (512, 18_222)):
+        layout = arch.kv_layout(config, torch.bfloat16, block)
+        window_share = -(-127 * 512 // block)
+        csa = window_share + 512 // 4 + 128 // 4 + -(-4 * 2 * (512 + 128) // block)
+        hca = window_share + 512 // 128
+        assert layout.values_per_token == 21 * csa + 20 * hca + 2 * window_share
+        assert layout.bytes_per_token == bytes_per_token
 
 
 def _write_config(path, **changes):

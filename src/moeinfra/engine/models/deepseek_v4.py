@@ -14,10 +14,9 @@ its first ``num_hash_layers`` routed by a fixed token -> experts table (``tid2ei
 
 Cache (:func:`kv_layout`): a running request holds its last ``sliding_window - 1`` window keys and
 its open compression windows' projections; the paged cache holds the compressed entries (a
-``1/ratio`` slice per token), CSA's block tails and, every :func:`checkpoint_tokens`, the window
-before it — so a request can resume from the cache alone at any checkpoint (prefix hits,
-preemption, KV handed over). Blocks hold whole compression windows (``block_size`` a multiple of
-every ``compress_ratio``).
+``1/ratio`` slice per token) and, per block, CSA's tail and the window keys before the block's end —
+so a request can resume from the cache alone at any block boundary (prefix hits, preemption, KV
+handed over). Blocks hold whole compression windows and at least a sliding window.
 
 Checkpoint names: DeepSeek's (``layers.N.attn.wq_a.weight``, ``embed.weight``, ``head.weight``,
 ``hc_head_fn``) or transformers' (the same under ``model.``, ``model.embed_tokens.weight``,
@@ -253,32 +252,25 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     return config
 
 
-# a request's window is written to the cache every few windows' worth of tokens (whole blocks)
-CHECKPOINT_WINDOWS = 4
-
-
 def checkpoint_tokens(config: ModelConfig, block_size: int) -> int:
     """Positions at which a sequence can resume from the cache alone (a prefix hit, preemption,
-    KV handed over): every this many tokens — the fewest whole blocks holding
-    :data:`CHECKPOINT_WINDOWS` sliding windows."""
-    return _checkpoint(config.v4, block_size)
-
-
-def _checkpoint(v4: V4Attention, block_size: int) -> int:
-    return -(-CHECKPOINT_WINDOWS * v4.sliding_window // block_size) * block_size
+    KV handed over): every block boundary. The window before a boundary is kept in the block that
+    ends there — the one block only this prefix owns (blocks before it may be shared by prompts that
+    part later); blocks of at least ``4 x sliding_window`` tokens keep that share small."""
+    return block_size
 
 
 def kv_layout(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVLayout:
     """Per token, each layer's parts (named ``part.layer``, one row of them: the layers differ):
-    every layer's share of the window checkpoint (the last ``sliding_window - 1`` window keys
-    before each checkpoint, spread over the checkpoint's tokens: :func:`checkpoint_tokens`); a
+    every layer's share of its block's window checkpoint (the last ``sliding_window - 1`` window
+    keys before the block's end, spread over the block's tokens: :func:`checkpoint_tokens`); a
     compressed layer's ``1 / ratio`` slice of the entry of the token's window (the window's
     ``ratio`` tokens hold it together); a CSA layer's same slice of the indexer's key and
     ``1 / block_size`` share of the block's *tail* — the projections of its last window that the
     next window's overlapping compression reads (:func:`tail_values`)."""
     v4 = config.v4
     window_values = (v4.sliding_window - 1) * v4.head_dim
-    window_share = max(1, -(-window_values // checkpoint_tokens(config, block_size)))
+    window_share = max(1, -(-window_values // block_size))
     parts = []
     for i, (kind, ratio) in enumerate(zip(v4.layer_kinds, v4.compress_ratios, strict=True)):
         parts.append((f"{WINDOW_KV}.{i}", window_share))
@@ -318,13 +310,20 @@ def state_bytes_per_request(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def check_block_size(config: ModelConfig, block_size: int) -> None:
-    """Blocks hold whole compression windows, so a shared prefix ends on a window boundary."""
-    for ratio in config.v4.ratios:
+    """Blocks hold whole compression windows (a shared prefix ends on a window boundary) and at
+    least a sliding window (a block keeps the window before its end)."""
+    v4 = config.v4
+    for ratio in v4.ratios:
         if block_size % ratio:
             raise CheckpointError(
                 f"block_size={block_size} must be a multiple of every compress ratio "
-                f"{list(config.v4.ratios)} (DeepSeek-V4 blocks hold whole compression windows)"
+                f"{list(v4.ratios)} (DeepSeek-V4 blocks hold whole compression windows)"
             )
+    if block_size < v4.sliding_window:
+        raise CheckpointError(
+            f"block_size={block_size} must be at least sliding_window={v4.sliding_window} "
+            "(a DeepSeek-V4 block keeps the window before its end)"
+        )
 
 
 # ---------------------------------------------------------------------------------------- modules
@@ -559,9 +558,9 @@ class V4AttentionLayer(nn.Module):
             part[slots[boundary - block : boundary]] = padded.view(block, -1)
 
     def _write_checkpoints(self, s: Segment, keys, first: int, slots, cache: LayerCache) -> None:
-        """At every checkpoint this segment reaches, the window keys before it, spread over the
-        checkpoint's tokens' ``kv`` part (``keys`` are positions ``first ..``)."""
-        part, span = self._part(cache, WINDOW_KV), self.checkpoint(cache)
+        """At every block end this segment reaches, the window keys before it, spread over the
+        block's tokens' ``kv`` part (``keys`` are positions ``first ..``)."""
+        part, span = self._part(cache, WINDOW_KV), cache.step.cache.block_size
         end, kept = s.start + s.length, self.v4.sliding_window - 1
         for boundary in range((s.start // span + 1) * span, end + 1, span):
             values = keys[boundary - kept - first : boundary - first].reshape(-1).to(part.dtype)
@@ -573,17 +572,14 @@ class V4AttentionLayer(nn.Module):
         """``[slots, width]`` view of this layer's ``name`` part (:func:`kv_layout`)."""
         return cache.part(f"{name}.{self.layer}")
 
-    def checkpoint(self, cache: LayerCache) -> int:
-        return _checkpoint(self.v4, cache.step.cache.block_size)
-
     def _resume(self, seq: int, start: int, slots, cache: LayerCache) -> _Held:
         """What ``seq`` holds from before ``start``: its own from the last segment, or rebuilt at a
-        checkpoint — the window keys from the checkpoint's share of the cache, no compression
-        window open (checkpoints are block boundaries) but, with CSA, the previous block's tail."""
+        block boundary — the window keys from the previous block's checkpoint, no compression
+        window open but, with CSA, the previous block's tail."""
         held = self.held.get(seq)
         if held is not None and held.end == start:
             return held
-        span, hd = self.checkpoint(cache), self.head_dim
+        span, hd = cache.step.cache.block_size, self.head_dim
         dtype, device = self.wkv.weight.dtype, self.wkv.weight.device
         widths = []
         if self.compressor is not None:
@@ -595,7 +591,7 @@ class V4AttentionLayer(nn.Module):
             return _Held(0, torch.zeros(0, hd, dtype=dtype, device=device), 0, empty)
         if start % span:
             raise RuntimeError(
-                f"sequence {seq}: a DeepSeek-V4 layer resumes at checkpoints only (every {span} "
+                f"sequence {seq}: a DeepSeek-V4 layer resumes at block boundaries only (every {span} "
                 f"tokens), not at position {start}"
             )
         kept = self.v4.sliding_window - 1
