@@ -100,7 +100,7 @@ def test_a_gpu_holds_far_more_long_requests_of_v4_than_of_v32(decode):
 def test_the_memory_fit_reads_the_kv_of_one_full_context_request_and_fp4_experts(decode):
     flash = decode["deepseek-v4-flash"]
     use = flash.memory_use()
-    assert use.fits and use.kv_one_request == flash.model.kv_bytes(131_072)
+    assert use.fits and use.kv_one_request == flash.model.kv_bytes(MILLION)
     m = flash.model
     # FP4 routed slots: 0.53 bytes a weight, against V3's one
     routed = m.num_moe_layers * flash.balance.slots_per_gpu * m.expert_params
@@ -191,9 +191,50 @@ def test_serve_model_takes_v4_on_first_principles_and_states_what_it_assumes():
     assert out["model"]["name"] == "deepseek-v4-flash" and out["model"]["assumed"]
     assert out["model"]["kv_bytes_per_request"] > 0
     assert len(out["layers"]) == 43
+    # a 4-node prefill unit holds one 1M-token request of V4-Pro in FP8, not in BF16
     run = cli("model", "--model", "deepseek-v4-pro", "--phase", "prefill")
+    assert run.returncode == 2 and "1,048,576-token request's KV" in run.stderr
+    run = cli(
+        "model", "--model", "deepseek-v4-pro", "--phase", "prefill", "--kv-cache-dtype", "fp8"
+    )
     assert run.returncode == 0, run.stderr
     assert "window 128 + compressed entries (CSA top 1,024, HCA all)" in run.stdout
+    assert "KV cache fp8" in run.stdout
     run = cli("model", "--model", "deepseek-v4-pro", "--calibration", "rtp-llm-h800")
     assert run.returncode == 2
     assert run.stderr.count("\n") <= 1 and "--calibration none" in run.stderr
+
+
+def test_v4_serves_a_million_tokens_and_the_memory_fit_checks_one():
+    flash = decode_unit("deepseek-v4-flash")
+    assert flash.model.max_context_tokens == MILLION
+    use = flash.memory_use()
+    assert use.context == MILLION and use.kv_one_request == flash.model.kv_bytes(MILLION)
+    assert "1,048,576-token request" in use.describe()
+    assert decode_unit("deepseek-v3.2").memory_use().context == 131_072
+
+
+def test_a_prompt_longer_than_128k_is_v4s_only():
+    run = cli("plan", "--model", "deepseek-v3.2", "--demand", "1000", "--lengths", "500000:1000")
+    assert run.returncode == 2 and "--lengths" in run.stderr and "[1, 131072)" in run.stderr
+    assert run.stderr.count("\n") <= 1
+
+
+def test_v4_flash_serves_a_long_context_workload_on_a_fraction_of_v32s_fleet():
+    """100K-token prompts (DeepSeek's cache-hit share), 1K answers, 100K output tokens/s for 15
+    minutes, FP8 caches: V4-Flash's cheapest fleet costs well under half of V3.2's, in prefill
+    (a quarter of the activated parameters, attention over compressed entries) and in decode."""
+
+    def plan(name):
+        result = cli(
+            "plan", "--demand", "100000", "--lengths", "100000:1000", "--hours", "0.25",
+            "--scale", "20", "--micro-batches", "2", "--modes", "disaggregated",
+            "--model", name, "--kv-cache-dtype", "fp8", "--calibration", "none", "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    v32, flash = plan("deepseek-v3.2"), plan("deepseek-v4-flash")
+    assert flash["model"]["name"] == "deepseek-v4-flash"
+    assert flash["cost_usd"] < 0.5 * v32["cost_usd"]
+    assert flash["decode"]["total_nodes"] < v32["decode"]["total_nodes"]

@@ -570,22 +570,23 @@ def simulate_cmd(
     )
 
 
-def _lengths(text: str | None):
-    """``--lengths IN:OUT`` as a LengthModel (None: the published one)."""
+def _lengths(text: str | None, max_context: int | None = None):
+    """``--lengths IN:OUT`` as a LengthModel (None: the published one) of requests up to
+    ``max_context`` tokens (default 128K; DeepSeek-V4's 1M)."""
     from moeinfra.serving.workload import MAX_CONTEXT_TOKENS, LengthModel
 
     if text is None:
         return None
+    longest = max_context or MAX_CONTEXT_TOKENS
     try:
         mean_in, mean_out = (float(x) for x in text.split(":"))
     except ValueError:
         mean_in = mean_out = float("nan")
-    if not all(np.isfinite(v) and 1 <= v < MAX_CONTEXT_TOKENS for v in (mean_in, mean_out)):
+    if not all(np.isfinite(v) and 1 <= v < longest for v in (mean_in, mean_out)):
         raise InputError(
-            f"--lengths={text!r} must be IN:OUT, mean prompt and answer tokens in "
-            f"[1, {MAX_CONTEXT_TOKENS})"
+            f"--lengths={text!r} must be IN:OUT, mean prompt and answer tokens in [1, {longest})"
         )
-    return LengthModel(mean_in, mean_out)
+    return LengthModel(mean_in, mean_out, max_context=longest)
 
 
 def _node_list(text: str, option: str) -> tuple[int, ...]:
@@ -771,7 +772,10 @@ def plan_cmd(
         source = str(workload)
     elif demand is not None:
         check_positive(demand, "--demand")
-        trace = constant_demand(demand * demand_scale, hours, scale, lengths=_lengths(lengths))
+        context = served.max_context_tokens if served is not None else None
+        trace = constant_demand(
+            demand * demand_scale, hours, scale, lengths=_lengths(lengths, context)
+        )
         source = f"{_n(demand * demand_scale)} output tokens/s"
     else:
         trace = deepseek_day(scale=scale, hours=hours, demand_scale=demand_scale)

@@ -18,7 +18,7 @@ import numpy as np
 
 from moeinfra.errors import InputError
 from moeinfra.serving import deepep
-from moeinfra.serving.arch import CSA, SLIDING
+from moeinfra.serving.arch import CSA
 from moeinfra.serving.kernels import KernelTables
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
@@ -308,6 +308,7 @@ class MemoryUse:
     kv_one_request: float
     usable: float
     hbm: float
+    context: int = MAX_CONTEXT_TOKENS
 
     @property
     def fits(self) -> bool:
@@ -320,7 +321,7 @@ class MemoryUse:
         gb = 1e9
         return (
             f"weights {n(self.weights / gb)} GB + activations {n(self.activations / gb)} GB + "
-            f"one {n(MAX_CONTEXT_TOKENS)}-token request's KV {n(self.kv_one_request / gb)} GB "
+            f"one {n(self.context)}-token request's KV {n(self.kv_one_request / gb)} GB "
             f"{'<=' if self.fits else '>'} {n(self.usable / gb)} GB usable of "
             f"{n(self.hbm / gb)} GB HBM per GPU"
         )
@@ -445,15 +446,17 @@ class PerfModel:
         plus :attr:`kv_request_overhead_tokens`."""
         return self.kv_capacity_tokens_per_gpu / (mean_kv + self.kv_request_overhead_tokens)
 
-    def memory_use(self, max_context: int = MAX_CONTEXT_TOKENS) -> MemoryUse:
+    def memory_use(self, max_context: int | None = None) -> MemoryUse:
         """What one GPU of this unit holds (:class:`MemoryUse`). Activations of one step: per
         micro-batch of ``n`` tokens (prefill: ``dep.tokens_per_gpu``; decode:
         :data:`DECODE_ACTIVATION_BATCH` requests), the residual and normalised hidden states (BF16),
         MLA's expanded queries, keys and values (BF16), and for the ``r`` expert rows it receives
         (``n`` x experts per token x the expert imbalance) the dispatch buffer (FP8 with scales),
         the experts' gate/up output (BF16) and the combine buffer (BF16); plus FP32 logits of the
-        rows through the LM head (prefill: one per 4,096-token prompt; decode: every request)."""
+        rows through the LM head (prefill: one per 4,096-token prompt; decode: every request).
+        ``max_context``: default the model's longest request (``ModelSpec.max_context_tokens``)."""
         m, mb = self.model, self.dep.micro_batches
+        max_context = m.max_context_tokens if max_context is None else max_context
         n = float(
             self.dep.tokens_per_gpu if self.dep.phase == "prefill" else DECODE_ACTIVATION_BATCH
         )
@@ -480,6 +483,7 @@ class PerfModel:
             kv_one_request=m.kv_bytes(max_context),
             usable=self.hw.hbm_gb * 1e9 * self.eff.memory_usable,
             hbm=self.hw.hbm_gb * 1e9,
+            context=max_context,
         )
 
     def check_fits(self) -> None:
@@ -622,7 +626,7 @@ class PerfModel:
         and writing float32 logits, and the top-k reading them (HBM-bound)."""
         m, a, hw, eff = self.model, self.model.arch, self.hw, self.eff
         d, h, c = m.hidden, m.num_heads, a.head_dim
-        ratio = {SLIDING: 0, CSA: 4}.get(kind, 128)
+        ratio = dict(zip(a.layer_kinds, a.compress_ratios, strict=True)).get(kind, 0)
         context = np.asarray(context, dtype=np.float64)
         window = np.minimum(context, a.sliding_window)
         entries = context / ratio if ratio else 0.0 * context

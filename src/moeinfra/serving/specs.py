@@ -42,7 +42,9 @@ class ModelSpec:
     engine rather than of the architecture, kept here because every byte count reads it.
     ``arch``: DeepSeek-V4's :class:`~moeinfra.serving.arch.Architecture` (None for the MLA models):
     its layers differ by kind (window, CSA, HCA), so the performance model reads them there; the
-    MLA fields are 0 for it (:meth:`from_architecture`).
+    MLA fields are 0 for it (:meth:`from_architecture`). ``max_context_tokens``: the longest
+    request served (prompt and answer): 128K for V3 and V3.2 as DeepSeek serves them, V4's
+    published ``max_position_embeddings`` (1,048,576).
     """
 
     name: str = "deepseek-v3"
@@ -68,6 +70,7 @@ class ModelSpec:
     index_topk: int = 0
     kv_cache_dtype: str = "bf16"
     arch: Architecture | None = None
+    max_context_tokens: int = 131_072
 
     def __post_init__(self) -> None:
         for name in (
@@ -131,7 +134,7 @@ class ModelSpec:
             raise InputError(f"config.json of {name}: missing or bad key ({err!r})") from None
 
     @classmethod
-    def from_architecture(cls, arch: Architecture) -> ModelSpec:
+    def from_architecture(cls, arch: Architecture, max_context_tokens: int = 1 << 20) -> ModelSpec:
         """The spec of a DeepSeek-V4 architecture: its MoE and indexer dimensions here, its
         attention (per layer kind) read from ``arch``. No dense layers, no expert groups (V4
         routes each token to ``experts_per_token`` of all experts: no node limit)."""
@@ -160,6 +163,7 @@ class ModelSpec:
             index_head_dim=arch.index_head_dim,
             index_topk=arch.index_topk,
             arch=arch,
+            max_context_tokens=max_context_tokens,
         )
 
     @property
@@ -343,8 +347,11 @@ class HardwareSpec:
 MODELS: dict[str, ModelSpec] = {
     "deepseek-v3": ModelSpec.from_config(published_config("deepseek-v3"), "deepseek-v3"),
     "deepseek-v3.2": ModelSpec.from_config(published_config("deepseek-v3.2-exp"), "deepseek-v3.2"),
-    "deepseek-v4-flash": ModelSpec.from_architecture(published("deepseek-v4-flash")),
-    "deepseek-v4-pro": ModelSpec.from_architecture(published("deepseek-v4-pro")),
+} | {
+    name: ModelSpec.from_architecture(
+        published(name), published_config(name)["max_position_embeddings"]
+    )
+    for name in ("deepseek-v4-flash", "deepseek-v4-pro")
 }
 DEEPSEEK_V3 = MODELS["deepseek-v3"]
 DEEPSEEK_V32 = MODELS["deepseek-v3.2"]
