@@ -169,8 +169,13 @@ class _Clock:
 
 
 def _block_size(config) -> int:
-    """The engine's block size, or the least multiple of it that holds whole V4 windows."""
-    return math.lcm(BLOCK, *(config.v4.ratios if config.v4 else ()))
+    """The engine's block size; for V4 the least multiple of it holding whole compression windows
+    and four sliding windows (each block keeps the window before its end: a larger block keeps a
+    smaller share of it per token)."""
+    if config.v4 is None:
+        return BLOCK
+    block = math.lcm(BLOCK, *config.v4.ratios)
+    return -(-4 * config.v4.sliding_window // block) * block
 
 
 def _filled_cache(arch, config, context: int, batch: int, steps: int = 1) -> StepCache:
