@@ -238,3 +238,21 @@ def test_v4_flash_serves_a_long_context_workload_on_a_fraction_of_v32s_fleet():
     assert flash["model"]["name"] == "deepseek-v4-flash"
     assert flash["cost_usd"] < 0.5 * v32["cost_usd"]
     assert flash["decode"]["total_nodes"] < v32["decode"]["total_nodes"]
+
+
+def test_simulate_and_frontier_take_v4_and_list_its_assumptions():
+    run = cli(
+        "simulate", "--model", "deepseek-v4-flash", "--kv-cache-dtype", "fp8",
+        "--hours", "0.25", "--scale", "400", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["calibration"] == "none" and out["requests"]["rejected"] == 0
+    m = out["model"]
+    assert m["name"] == "deepseek-v4-flash" and m["assumed"]
+    assert m["decode_kv_request_overhead_tokens"] == pytest.approx(
+        m["kv_bytes_per_request"] / m["kv_bytes_per_token"]
+    )
+    front = cli("frontier", "--model", "deepseek-v4-flash", "--kv", "131072", "--json")
+    assert front.returncode == 0, front.stderr
+    assert json.loads(front.stdout)["model"]["assumed"]

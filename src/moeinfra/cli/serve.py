@@ -209,6 +209,8 @@ def _served_model(name: str | None, kv_cache_dtype: str | None, calibration=None
 
 
 def _model_summary(model) -> dict:
+    from moeinfra.serving.perfmodel import V4_ASSUMPTIONS
+
     out = {
         "name": model.name,
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -217,20 +219,8 @@ def _model_summary(model) -> dict:
     }
     if model.v4:
         out["kv_bytes_per_request"] = model.kv_bytes_per_request
-        out["assumed"] = V4_ASSUMPTIONS
+        out["assumed"] = list(V4_ASSUMPTIONS)
     return out
-
-
-#: What the DeepSeek-V4 model assumes rather than takes from a published kernel figure (also in
-#: docs/serving-model.md, "DeepSeek-V4 in the performance model").
-V4_ASSUMPTIONS = (
-    "core attention at FlashMLA's sparse kernels' H800 rates (410 TFLOPS decode, 640 prefill), "
-    "the kernels vLLM runs V4 on; their V4 figures are not published",
-    "the indexer's FP4 logits at the FP8 GEMM rate (Hopper has no FP4 tensor cores)",
-    "V4's projections, compressors, mHC and FP4xFP8 experts at the FP8 roofline with DeepGEMM's "
-    "1,350 TFLOPS share (its published table holds V3's shapes only)",
-    "DeepEP's low-latency times scaled by the hidden size over V3's 7,168",
-)
 
 
 def _model_line(model) -> str:

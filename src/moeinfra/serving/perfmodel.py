@@ -289,6 +289,17 @@ def _overlapped(mb: int, attention, mlp, dispatch, combine):
     return mb * (np.maximum(mlp, dispatch) + np.maximum(attention, combine))
 
 
+#: What the DeepSeek-V4 model assumes rather than takes from a published kernel figure (also in
+#: docs/serving-model.md, "DeepSeek-V4 in the performance model").
+V4_ASSUMPTIONS = (
+    "core attention at FlashMLA's sparse kernels' H800 rates (410 TFLOPS decode, 640 prefill), "
+    "the kernels vLLM runs V4 on; their V4 figures are not published",
+    "the indexer's FP4 logits at the FP8 GEMM rate (Hopper has no FP4 tensor cores)",
+    "V4's projections, compressors, mHC and FP4xFP8 experts at the FP8 roofline with DeepGEMM's "
+    "1,350 TFLOPS share (its published table holds V3's shapes only)",
+    "DeepEP's low-latency times scaled by the hidden size over V3's 7,168",
+)
+
 #: DeepSeek-V3's served context: one request of this many tokens must fit on one GPU (its KV cache
 #: lives on the data-parallel attention rank that holds it, in prefill and in decode).
 MAX_CONTEXT_TOKENS = 131_072

@@ -23,7 +23,7 @@ from moeinfra.errors import InputError
 from moeinfra.serving.balancers import fill_least_loaded
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.decode_batch import admit_ready, advance_batch, batch_load
-from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.perfmodel import V4_ASSUMPTIONS, PerfModel
 from moeinfra.serving.prefill_ticks import PrefillShare, PrefillTicks
 from moeinfra.serving.schedule import FleetSchedule
 from moeinfra.serving.unit_cost import BALANCERS, prefill_cost
@@ -573,5 +573,14 @@ def simulate(
             "decode_dp_imbalance_requests": imb["decode_requests"],
             "decode_dp_imbalance_kv": imb["decode_kv"],
             "decode_kv_capacity_tokens_per_gpu": decode.kv_capacity_tokens_per_gpu,
+            **(
+                {
+                    "kv_bytes_per_request": decode.model.kv_bytes_per_request,
+                    "decode_kv_request_overhead_tokens": decode.kv_request_overhead_tokens,
+                    "assumed": list(V4_ASSUMPTIONS),
+                }
+                if decode.model.v4
+                else {}
+            ),
         },
     )
