@@ -253,6 +253,12 @@ def test_simulate_and_frontier_take_v4_and_list_its_assumptions():
     assert m["decode_kv_request_overhead_tokens"] == pytest.approx(
         m["kv_bytes_per_request"] / m["kv_bytes_per_token"]
     )
+    # DeepSeek's units, with the redundant experts that spread V4-Pro's 384 over 144 GPUs
+    run = cli(
+        "simulate", "--model", "deepseek-v4-pro", "--kv-cache-dtype", "fp8",
+        "--hours", "0.25", "--scale", "400", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
     front = cli("frontier", "--model", "deepseek-v4-flash", "--kv", "131072", "--json")
     assert front.returncode == 0, front.stderr
     assert json.loads(front.stdout)["model"]["assumed"]

@@ -31,6 +31,7 @@ from moeinfra.serving.specs import (
     ModelSpec,
     deepseek_decode_unit,
     deepseek_prefill_unit,
+    fitting_redundant_experts,
     priced_hardware,
 )
 from moeinfra.serving.unit_cost import BALANCERS, PrefillCost, prefill_cost
@@ -257,17 +258,28 @@ def build_scenario(
     k_prefill, k_decode = time_scale
     if calibration is None:
         hw = priced_hardware(hardware_name, gpu_hour_usd)
+        served = model or DEEPSEEK_V3
+
+        def spread(dep):
+            """DeepSeek's unit with the fewest redundant experts, at least its 32, that spread
+            this model's experts evenly (32 for V3's 256 on 4 or 18 nodes; 48 for V4-Pro's 384
+            on 18)."""
+            redundant = fitting_redundant_experts(
+                dep.nodes, hw.gpus_per_node, served.num_routed_experts
+            )
+            return dep.with_(redundant_experts=redundant)
+
         prefill = PerfModel(
-            prefill_dep or deepseek_prefill_unit(),
+            prefill_dep or spread(deepseek_prefill_unit()),
             hw,
-            model or DEEPSEEK_V3,
+            served,
             DEFAULT_EFFICIENCY.scaled(k_prefill),
             kernels=kernels,
         )
         decode = PerfModel(
-            decode_dep or deepseek_decode_unit(),
+            decode_dep or spread(deepseek_decode_unit()),
             hw,
-            model or DEEPSEEK_V3,
+            served,
             DEFAULT_EFFICIENCY.scaled(k_decode),
             kernels=kernels,
         )
