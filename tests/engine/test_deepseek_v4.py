@@ -294,6 +294,22 @@ def test_cache_and_request_state_bytes_follow_their_formulas(v4_path):
     assert all(not layer.attn.held for layer in model.layers)
 
 
+def test_llm_picks_a_block_size_that_fits_the_architecture(v4_path):
+    """What a vLLM user pointing LLM(model=...) at DeepSeek-V4 expects: no block size to choose.
+    The default holds whole compression windows and four sliding windows (512 for the published
+    V4-Flash and V4-Pro, whose 128-token HCA windows the engine's usual 64 would split)."""
+    from moeinfra.engine.hf_config import published_config
+    from moeinfra.engine.models.deepseek_v4 import default_block_size
+    from moeinfra.engine.registry import architecture
+
+    for name in ("deepseek-v4-flash", "deepseek-v4-pro"):
+        raw = published_config(name)
+        config = architecture(raw["model_type"]).parse_config(raw, "config.json")
+        assert default_block_size(config) == 512
+    assert LLM(v4_path)._core.config.block_size == 64  # tiny: ratios 4 and 16, window 8
+    assert LLM(v4_path, block_size=32)._core.config.block_size == 32
+
+
 def test_published_v4_flash_cache_per_token(v4_path):
     """DeepSeek-V4-Flash (bf16): every layer a share of its block's window checkpoint (127 keys of
     512 over the block: 508 values with 128-token blocks, 127 with 512); its 21 CSA layers 128

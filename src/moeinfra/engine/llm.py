@@ -65,7 +65,10 @@ class LLM:
         self.model_dir = Path(model) if model is not None else default_model()
         raw = read_config(self.model_dir)  # a bad folder fails here, naming the file
         source = str(self.model_dir / "config.json")
-        self.model_config = architecture(raw["model_type"], source).parse_config(raw, source)
+        arch = architecture(raw["model_type"], source)
+        self.model_config = arch.parse_config(raw, source)
+        if "block_size" not in engine_options and arch.default_block_size is not None:
+            engine_options["block_size"] = arch.default_block_size(self.model_config)
         self.config = EngineConfig(**engine_options)
         self.tokenizer = Tokenizer(self.model_dir)
         self.timeout_s = timeout_s

@@ -28,7 +28,9 @@ class Architecture:
     ``check_block_size(config, block_size)`` raises where the cache's blocks cannot be that size;
     ``resume_tokens(config, block_size)``: where the model keeps per-request state outside the
     cache, the positions (every this many tokens, whole blocks) it can rebuild it at — prefix hits
-    and KV computed elsewhere are used up to such a position (None: any position)."""
+    and KV computed elsewhere are used up to such a position (None: any position);
+    ``default_block_size(config)``: the block size ``LLM`` uses when none is given (None: the
+    engine's default)."""
 
     model_type: str
     hf_architecture: str
@@ -38,6 +40,7 @@ class Architecture:
     load_mtp: Callable | None = None
     check_block_size: Callable[[ModelConfig, int], None] | None = None
     resume_tokens: Callable[[ModelConfig, int], int] | None = None
+    default_block_size: Callable[[ModelConfig], int] | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -75,6 +78,7 @@ def _builtin() -> None:
             v4.load,
             check_block_size=v4.check_block_size,
             resume_tokens=v4.checkpoint_tokens,
+            default_block_size=v4.default_block_size,
         )
     )
 

@@ -26,6 +26,7 @@ Checkpoint names: DeepSeek's (``layers.N.attn.wq_a.weight``, ``embed.weight``, `
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -307,6 +308,14 @@ def state_bytes_per_request(config: ModelConfig, dtype: torch.dtype) -> int:
         elif kind == HCA:
             values += (ratio - 1) * 2 * v4.head_dim
     return values * itemsize
+
+
+def default_block_size(config: ModelConfig) -> int:
+    """The least multiple of the engine's 64 tokens that holds whole compression windows and four
+    sliding windows (a block keeps the window before its end: the larger the block, the smaller
+    that share per token): 512 for DeepSeek-V4-Flash and -Pro."""
+    block = math.lcm(64, *config.v4.ratios)
+    return -(-4 * config.v4.sliding_window // block) * block
 
 
 def check_block_size(config: ModelConfig, block_size: int) -> None:
