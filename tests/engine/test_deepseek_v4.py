@@ -224,7 +224,8 @@ def test_live_rebalancing_moves_experts_and_keeps_the_answer(v4_path, v4_prompts
 
 def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
     """DeepSeek's release names (``layers.N.attn.*``, ``embed.weight``, ``hc_head_fn``) read as
-    transformers' (``model.layers.N.attn.*``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``)."""
+    transformers' (``model.layers.N.attn.*``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``);
+    the MTP layers DeepSeek ships (``mtp.*``) are present and not read."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -241,6 +242,8 @@ def test_deepseeks_own_tensor_names_load_the_same_model(tmp_path, v4_path):
         name = name.removeprefix("model.")
         name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
         renamed[name.replace("hc_head.hc_", "hc_head_")] = t
+    renamed["mtp.0.attn.wq_a.weight"] = torch.full((3, 5), float("nan"))
+    renamed["mtp.0.hc_head_fn"] = torch.full((2, 7), float("nan"))
     save_file(renamed, native / "model.safetensors", metadata={"format": "pt"})
     ids = torch.arange(3, 40)
     outs = []
