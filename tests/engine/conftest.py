@@ -57,18 +57,47 @@ def prompt_ids(tiny_path):
     return [tok.encode(p) for p in PROMPTS]
 
 
-@pytest.fixture(scope="session")
-def reference(hf_model, prompt_ids):
-    """transformers' greedy continuation of every prompt (one prompt at a time, no padding)."""
+def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt (one prompt at a time, no padding, EOS
+    ignored)."""
     out = []
     with torch.no_grad():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
+        for ids in prompts:
             gen = hf_model.generate(
-                x, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             out.append(gen[0, len(ids) :].tolist())
     return out
+
+
+def check_greedy(outputs, reference, prompts) -> None:
+    """The engine's outputs are for ``prompts`` and continue each as ``reference`` does."""
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    for o, ref in zip(outputs, reference, strict=True):
+        assert o.outputs[0].token_ids == ref, o.prompt
+
+
+def edit_config(path, **changes) -> None:
+    """Change keys of ``path/config.json`` (None removes the key)."""
+    import json
+
+    raw = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key)
+        else:
+            raw[key] = value
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="session")
+def reference(hf_model, prompt_ids):
+    """transformers' greedy continuation of every prompt."""
+    return hf_greedy(hf_model, prompt_ids, MAX_TOKENS)
 
 
 def one_rank_model(path):

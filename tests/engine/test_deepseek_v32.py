@@ -5,8 +5,6 @@ live EPLB — and a check that dense attention would fail the same comparison.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from moeinfra.engine.registry import architecture
 from moeinfra.engine.tiny import TINY_INDEXER, init_tiny
 from moeinfra.moe.mla import Segment
 
-from .conftest import PROMPTS, one_rank_model
+from .conftest import PROMPTS, check_greedy, edit_config, hf_greedy, one_rank_model
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -46,21 +44,6 @@ def v32_prompts(v32_path):
     return [tok.encode(p) for p in PROMPTS]
 
 
-def _generate(hf_model, prompts):
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = hf_model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(ids) :].tolist())
-    return out
-
-
 def _dense(hf_model, topk):
     """Set every transformers indexer's top-k (a top-k past the context is dense attention)."""
     for layer in hf_model.model.layers:
@@ -69,7 +52,7 @@ def _dense(hf_model, topk):
 
 @pytest.fixture(scope="module")
 def v32_reference(hf_v32, v32_prompts):
-    return _generate(hf_v32, v32_prompts)
+    return hf_greedy(hf_v32, v32_prompts, MAX_TOKENS)
 
 
 def test_most_requests_attend_sparsely(v32_prompts):
@@ -105,16 +88,10 @@ def test_logits_match_transformers_over_chunks_and_decode(v32_path, hf_v32):
 def test_dense_attention_would_fail_the_greedy_comparison(hf_v32, v32_prompts, v32_reference):
     _dense(hf_v32, 10**6)
     try:
-        dense = _generate(hf_v32, v32_prompts)
+        dense = hf_greedy(hf_v32, v32_prompts, MAX_TOKENS)
     finally:
         _dense(hf_v32, TOPK)
     assert dense != v32_reference
-
-
-def _check(outputs, reference, prompts):
-    assert [o.prompt_token_ids for o in outputs] == prompts
-    for o, ref in zip(outputs, reference, strict=True):
-        assert o.outputs[0].token_ids == ref, o.prompt
 
 
 @pytest.mark.parametrize(
@@ -129,7 +106,7 @@ def _check(outputs, reference, prompts):
 def test_one_rank_greedy_equals_transformers(v32_path, v32_prompts, v32_reference, options):
     llm = LLM(v32_path, **options)
     outputs = llm.generate(v32_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, v32_reference, v32_prompts)
+    check_greedy(outputs, v32_reference, v32_prompts)
     if "num_kv_blocks" in options:
         assert llm._core.scheduler.num_preemptions > 0
         assert any(o.num_cached_tokens > 0 for o in outputs)
@@ -149,7 +126,7 @@ def test_spawned_unit_greedy_equals_transformers(
 ):
     with LLM(v32_path, ranks=ranks, timeout_s=240, **options) as llm:
         outputs = llm.generate(v32_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, v32_reference, v32_prompts)
+    check_greedy(outputs, v32_reference, v32_prompts)
 
 
 def test_cache_holds_the_index_key_and_its_bytes_follow_the_formula(v32_path):
@@ -166,16 +143,6 @@ def test_cache_holds_the_index_key_and_its_bytes_follow_the_formula(v32_path):
     assert cache.part(0, "index_k").shape == (20, TINY_INDEXER["index_head_dim"])
 
 
-def _write_config(path, **changes):
-    raw = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            raw.pop(key)
-        else:
-            raw[key] = value
-    (path / "config.json").write_text(json.dumps(raw))
-
-
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -187,7 +154,7 @@ def _write_config(path, **changes):
 )
 def test_bad_indexer_config_is_one_line_naming_file_and_field(tmp_path, changes, message):
     path = init_tiny(tmp_path / "bad", tokenizer="bpe", arch="deepseek_v32", shards=1)
-    _write_config(path, **changes)
+    edit_config(path, **changes)
     with pytest.raises(CheckpointError) as err:
         LLM(path)
     assert message in str(err.value)
@@ -223,7 +190,7 @@ def test_fp8_checkpoint_in_deepseeks_v32_layout_loads(tmp_path, v32_prompts):
     mtp = raw["num_hidden_layers"]
     tensors[f"model.layers.{mtp}.eh_proj.weight"] = torch.zeros(4, 8)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    _write_config(path, num_nextn_predict_layers=1)
+    edit_config(path, num_nextn_predict_layers=1)
     outputs = LLM(path).generate(v32_prompts[:3], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
 

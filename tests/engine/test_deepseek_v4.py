@@ -7,8 +7,6 @@ preemption — and checks that the indexer's choice and the clamp change the ref
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.tiny import init_tiny
 from moeinfra.moe.mla import Segment
 
-from .conftest import PROMPTS, one_rank_model
+from .conftest import PROMPTS, check_greedy, edit_config, hf_greedy, one_rank_model
 
 MAX_TOKENS = 16
 # longer than the window and several compression windows; pairs share a 2-block prefix
@@ -52,24 +50,9 @@ def v4_prompts(v4_path):
     return [tok.encode(p) for p in V4_PROMPTS]
 
 
-def _generate(hf_model, prompts):
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            gen = hf_model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(ids) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def v4_reference(hf_v4, v4_prompts):
-    return _generate(hf_v4, v4_prompts)
+    return hf_greedy(hf_v4, v4_prompts, MAX_TOKENS)
 
 
 def test_prompts_exercise_window_compression_and_sparse_choice(v4_path, v4_prompts):
@@ -151,19 +134,13 @@ def test_the_indexer_choice_and_the_swiglu_clamp_change_the_answer(
     raw = read_config(v4_path)
     try:
         _set_reference(hf_v4, topk=10**6)
-        all_entries = _generate(hf_v4, v4_prompts)
+        all_entries = hf_greedy(hf_v4, v4_prompts, MAX_TOKENS)
         _set_reference(hf_v4, topk=raw["index_topk"], limit=1e9)
-        unclamped = _generate(hf_v4, v4_prompts)
+        unclamped = hf_greedy(hf_v4, v4_prompts, MAX_TOKENS)
     finally:
         _set_reference(hf_v4, topk=raw["index_topk"], limit=raw["swiglu_limit"])
     assert all_entries != v4_reference
     assert unclamped != v4_reference
-
-
-def _check(outputs, reference, prompts):
-    assert [o.prompt_token_ids for o in outputs] == prompts
-    for o, ref in zip(outputs, reference, strict=True):
-        assert o.outputs[0].token_ids == ref, o.prompt
 
 
 @pytest.mark.parametrize(
@@ -177,7 +154,7 @@ def _check(outputs, reference, prompts):
 def test_one_rank_greedy_equals_transformers(v4_path, v4_prompts, v4_reference, options):
     llm = LLM(v4_path, **options)
     outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, v4_reference, v4_prompts)
+    check_greedy(outputs, v4_reference, v4_prompts)
     if "num_kv_blocks" in options:
         assert llm._core.scheduler.num_preemptions > 0
         assert any(o.num_cached_tokens > 0 for o in outputs)
@@ -199,7 +176,7 @@ def test_prompts_sharing_a_block_then_parting_resume_from_their_own_blocks(
     assert len({tuple(p[:16]) for p in prompts}) == 1 and min(map(len, prompts)) > 16
     llm = LLM(v4_path, block_size=16, num_kv_blocks=8, max_num_seqs=8)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    _check(outputs, _generate(hf_v4, prompts), prompts)
+    check_greedy(outputs, hf_greedy(hf_v4, prompts, MAX_TOKENS), prompts)
     assert llm._core.scheduler.num_preemptions > 0
     assert any(o.num_cached_tokens > 0 for o in outputs)
 
@@ -208,7 +185,7 @@ def test_two_ranks_greedy_equals_transformers(v4_path, v4_prompts, v4_reference)
     options = {"redundant_experts": 2, "max_num_batched_tokens": 32, "block_size": 16}
     with LLM(v4_path, ranks=2, timeout_s=240, **options) as llm:
         outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, v4_reference, v4_prompts)
+    check_greedy(outputs, v4_reference, v4_prompts)
 
 
 def test_live_rebalancing_moves_experts_and_keeps_the_answer(v4_path, v4_prompts, v4_reference):
@@ -217,7 +194,7 @@ def test_live_rebalancing_moves_experts_and_keeps_the_answer(v4_path, v4_prompts
     llm = LLM(v4_path, redundant_experts=4, eplb_interval=2, eplb_window=3)
     before = llm._core.plan.phy2log.copy()
     outputs = llm.generate(v4_prompts, GREEDY, use_tqdm=False)
-    _check(outputs, v4_reference, v4_prompts)
+    check_greedy(outputs, v4_reference, v4_prompts)
     assert llm._core.rebalances >= 3
     assert (llm._core.plan.phy2log != before).any()
 
@@ -332,16 +309,6 @@ def test_published_v4_flash_cache_per_token(v4_path):
         assert layout.bytes_per_token == bytes_per_token
 
 
-def _write_config(path, **changes):
-    raw = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            raw.pop(key)
-        else:
-            raw[key] = value
-    (path / "config.json").write_text(json.dumps(raw))
-
-
 @pytest.fixture
 def bad_path(tmp_path):
     return init_tiny(tmp_path / "bad", tokenizer="bpe", arch="deepseek_v4", shards=1)
@@ -361,7 +328,7 @@ def bad_path(tmp_path):
     ],
 )
 def test_bad_config_is_one_line_naming_file_and_field(bad_path, changes, message):
-    _write_config(bad_path, **changes)
+    edit_config(bad_path, **changes)
     with pytest.raises(CheckpointError) as err:
         LLM(bad_path)
     assert message in str(err.value)
