@@ -101,6 +101,24 @@ def _rope_scaling(raw: dict) -> tuple[float, Yarn | None]:
     return theta, Yarn.from_hf(scaling)
 
 
+def model_fields(raw: dict) -> dict:
+    """The :class:`ModelConfig` fields every architecture reads alike from ``config.json``
+    (vocabulary, context, special tokens, MTP layers, quantization, dtype); raises ``KeyError``
+    for a missing required key."""
+    eos = raw.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return {
+        "vocab_size": int(raw["vocab_size"]),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 4096)),
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_ids": eos_ids,
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "num_mtp_layers": int(raw.get("num_nextn_predict_layers", 0) or 0),
+        "quantization": raw.get("quantization_config"),
+        "torch_dtype": str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+    }
+
+
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
     """A :class:`ModelConfig` from the parsed ``config.json`` dict; ``source`` names it in errors."""
     try:
@@ -132,22 +150,13 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             rope_interleave=bool(raw.get("rope_interleave", True)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         )
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         config = ModelConfig(
             model_type=raw["model_type"],
             block=block,
-            vocab_size=int(raw["vocab_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
             intermediate_size=int(raw["intermediate_size"]),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
-            quantization=raw.get("quantization_config"),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            **model_fields(raw),
         )
     except KeyError as exc:
         raise CheckpointError(f"{source}: required key {exc.args[0]!r} is missing") from None

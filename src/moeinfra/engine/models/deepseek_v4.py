@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeinfra.engine.checkpoint import CheckpointReader
-from moeinfra.engine.hf_config import CheckpointError, ModelConfig
+from moeinfra.engine.hf_config import CheckpointError, ModelConfig, model_fields
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache, gather
 from moeinfra.eplb import Plan
 from moeinfra.moe.comm import Communicator
@@ -216,22 +216,13 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             swiglu_limit=raw.get("swiglu_limit"),
         )
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         config = ModelConfig(
             model_type=raw["model_type"],
             block=block,
-            vocab_size=int(raw["vocab_size"]),
             num_layers=n,
             first_k_dense_replace=0,
             intermediate_size=block.moe_intermediate_size,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
-            quantization=raw.get("quantization_config"),
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            **model_fields(raw),
             v4=v4,
         )
     except KeyError as exc:
