@@ -290,6 +290,24 @@ def test_llm_picks_a_block_size_that_fits_the_architecture(v4_path):
     assert LLM(v4_path, block_size=32)._core.config.block_size == 32
 
 
+def test_serve_picks_the_architectures_block_size_unless_given(tmp_path):
+    """``serve up`` / ``serve unit`` without ``--block-size`` use the block size LLM would."""
+    import json
+
+    from moeinfra.cli.serve_live import _engine_config
+    from moeinfra.engine.hf_config import published_config
+    from moeinfra.engine.registry import default_block_size
+
+    (tmp_path / "config.json").write_text(json.dumps(published_config("deepseek-v4-flash")))
+    assert default_block_size(tmp_path) == 512
+
+    def block_size(given):
+        options = (512, given, 256, 2048, "auto", 0, 0, "auto", "cpu", 0)
+        return _engine_config(tmp_path, *options).block_size
+
+    assert block_size(None) == 512 and block_size(128) == 128
+
+
 def test_published_v4_flash_cache_per_token(v4_path):
     """DeepSeek-V4-Flash (bf16): every layer a share of its block's window checkpoint (127 keys of
     512 over the block: 508 values with 128-token blocks, 127 with 512); its 21 CSA layers 128

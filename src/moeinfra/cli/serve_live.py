@@ -17,6 +17,7 @@ from moeinfra.cli.options import (
 
 
 def _engine_config(
+    model_dir,
     num_kv_blocks,
     block_size,
     max_num_seqs,
@@ -29,8 +30,11 @@ def _engine_config(
     speculative_tokens,
 ):
     from moeinfra.engine.config import EngineConfig
+    from moeinfra.engine.registry import default_block_size
     from moeinfra.errors import InputError
 
+    if block_size is None:
+        block_size = default_block_size(model_dir)
     try:
         return EngineConfig(
             block_size=block_size,
@@ -54,7 +58,12 @@ _MODEL = typer.Option(
     None, "--model", "-m", help="Checkpoint folder (default: the built-in tiny one)."
 )
 _BLOCKS = typer.Option(512, "--num-kv-blocks", help="KV blocks per rank.")
-_BLOCK = typer.Option(64, "--block-size", help="Tokens per KV block.")
+_BLOCK = typer.Option(
+    None,
+    "--block-size",
+    help="Tokens per KV block (default: the model's: 64; DeepSeek-V4 the least multiple of 64 "
+    "holding whole compression windows and four sliding windows, 512 for V4-Flash and V4-Pro).",
+)
 _SEQS = typer.Option(256, "--max-num-seqs", help="Requests per rank batch.")
 _TOKENS = typer.Option(2048, "--max-num-batched-tokens", help="Tokens per rank step.")
 _DTYPE = typer.Option(
@@ -152,7 +161,7 @@ def register(app: typer.Typer) -> None:
             "unit (us, ms, s): 10s.",
         ),
         num_kv_blocks: int = _BLOCKS,
-        block_size: int = _BLOCK,
+        block_size: int | None = _BLOCK,
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
         dtype: str = _DTYPE,
@@ -193,8 +202,11 @@ def register(app: typer.Typer) -> None:
         comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")
         autoscale_interval_s = parse_duration_s(autoscale_interval, "--autoscale-interval")
 
+        from moeinfra.engine.tiny import default_model
         from moeinfra.server.autoscale import AutoscalePolicy
         from moeinfra.server.launch import DISAGGREGATED, ServeOptions, default_layout, serve
+
+        model_dir = model if model is not None else default_model()
 
         given = {
             "prefill_units": prefill_units,
@@ -231,6 +243,7 @@ def register(app: typer.Typer) -> None:
             kv_cache_dir=kv_cache_dir,
             kv_cache_bytes=kv_cache_bytes,
             engine=_engine_config(
+                model_dir,
                 num_kv_blocks,
                 block_size,
                 max_num_seqs,
@@ -270,7 +283,7 @@ def register(app: typer.Typer) -> None:
             None, "--parent-pid", help="Exit when this process is gone."
         ),
         num_kv_blocks: int = _BLOCKS,
-        block_size: int = _BLOCK,
+        block_size: int | None = _BLOCK,
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
         dtype: str = _DTYPE,
@@ -324,6 +337,7 @@ def register(app: typer.Typer) -> None:
             server=server,
             model_dir=str(model_dir),
             engine=_engine_config(
+                model_dir,
                 num_kv_blocks,
                 block_size,
                 max_num_seqs,

@@ -67,8 +67,7 @@ class LLM:
         source = str(self.model_dir / "config.json")
         arch = architecture(raw["model_type"], source)
         self.model_config = arch.parse_config(raw, source)
-        if "block_size" not in engine_options and arch.default_block_size is not None:
-            engine_options["block_size"] = arch.default_block_size(self.model_config)
+        engine_options.setdefault("block_size", arch.block_size(self.model_config))
         self.config = EngineConfig(**engine_options)
         self.tokenizer = Tokenizer(self.model_dir)
         self.timeout_s = timeout_s

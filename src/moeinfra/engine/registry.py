@@ -42,6 +42,25 @@ class Architecture:
     resume_tokens: Callable[[ModelConfig, int], int] | None = None
     default_block_size: Callable[[ModelConfig], int] | None = None
 
+    def block_size(self, config: ModelConfig) -> int:
+        """The block size an engine of this model uses when none is given."""
+        if self.default_block_size is None:
+            from moeinfra.engine.config import EngineConfig
+
+            return EngineConfig.block_size
+        return self.default_block_size(config)
+
+
+def default_block_size(model_dir) -> int:
+    """The block size of the checkpoint in ``model_dir`` when none is given (64; for DeepSeek-V4
+    the least multiple of 64 holding whole compression windows and four sliding windows)."""
+    from moeinfra.engine.hf_config import read_config
+
+    raw = read_config(model_dir)
+    source = f"{model_dir}/config.json"
+    arch = architecture(raw["model_type"], source)
+    return arch.block_size(arch.parse_config(raw, source))
+
 
 _REGISTRY: dict[str, Architecture] = {}
 
