@@ -18,9 +18,10 @@ whole step (embedding to final norm) and its attention:
 - V3, V3.2: "MLA", every layer's paged attention (cache write, gather, attention, output
   projection) less the V3.2 indexer's scoring and top-k ("indexer", O(context) by design);
 - V4: "attention", every layer's ``V4AttentionLayer`` (query and window-key projections, the
-  window and compressed entries' attention, output projection) less its ``_compressed`` part
-  ("compressed": the new token's compressor projections, the entries of windows it completes,
-  the gather of every compressed entry and index key, the indexer's scoring and top-k).
+  window and compressed entries' attention, output projection) less its compressed part
+  (``_compressed`` for one request, ``_decode_compressed`` for a batch of them: "compressed", the
+  new tokens' compressor projections, the entries of windows they complete, the gather of every
+  compressed entry and index key, the indexer's scoring and top-k).
 
 ``transformers``' V3.2 and V4 (eager, batch 1) fill their caches with the same context in chunks,
 then one decode step is timed; a larger context is skipped once the previous fill, doubled, would
@@ -34,7 +35,7 @@ held per request) and DeepSeek's own layout (:meth:`moeinfra.serving.arch.Archit
 from __future__ import annotations
 
 import argparse
-import math
+import contextlib
 import statistics
 import tempfile
 import time
@@ -56,7 +57,6 @@ from moeinfra.moe.comm import Communicator
 from moeinfra.moe.mla import Segment
 from moeinfra.serving.arch import Architecture
 
-BLOCK = 64
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 # DeepSeek's index_topk; 4 index heads of 16 so that the indexer's work per key (64 multiply-adds)
 # against the tiny MLA's (4 heads x (40 + 32) = 288) is near DeepSeek-V3.2's (64 x 128 = 8,192
@@ -95,7 +95,7 @@ class Timed:
     arch: str
     config: dict | None
     attention: tuple[object, str]
-    part: tuple[object, str]
+    part: tuple[object, tuple[str, ...]]  # the owner and the names of what is timed apart
     columns: tuple[str, str, str]  # step, attention less part, part
 
 
@@ -105,7 +105,7 @@ MODELS = {
         "deepseek_v3",
         None,
         (deepseek_v3, "paged_mla_attention"),
-        (attention_module, "select_tokens"),
+        (attention_module, ("select_tokens",)),
         ("V3 step", "V3 MLA", ""),
     ),
     "v32": Timed(
@@ -113,7 +113,7 @@ MODELS = {
         "deepseek_v32",
         INDEXER,
         (deepseek_v3, "paged_mla_attention"),
-        (attention_module, "select_tokens"),
+        (attention_module, ("select_tokens",)),
         ("V3.2 step", "V3.2 MLA", "V3.2 indexer"),
     ),
     "v4": Timed(
@@ -121,7 +121,7 @@ MODELS = {
         "deepseek_v4",
         V4,
         (deepseek_v4.V4AttentionLayer, "forward"),
-        (deepseek_v4.V4AttentionLayer, "_compressed"),
+        (deepseek_v4.V4AttentionLayer, ("_compressed", "_decode_compressed")),  # 1 / B requests
         ("V4 step", "V4 attention", "V4 compressed"),
     ),
 }
@@ -168,20 +168,10 @@ class _Clock:
         setattr(self.owner, self.name, self.inner)
 
 
-def _block_size(config) -> int:
-    """The engine's block size; for V4 the least multiple of it holding whole compression windows
-    and four sliding windows (each block keeps the window before its end: a larger block keeps a
-    smaller share of it per token)."""
-    if config.v4 is None:
-        return BLOCK
-    block = math.lcm(BLOCK, *config.v4.ratios)
-    return -(-4 * config.v4.sliding_window // block) * block
-
-
 def _filled_cache(arch, config, context: int, batch: int, steps: int = 1) -> StepCache:
     """A paged cache holding ``batch`` requests of ``context`` random earlier tokens, with room
     for ``steps`` decode steps each."""
-    block = _block_size(config)
+    block = arch.block_size(config)
     blocks_per_seq = -(-(context + steps) // block)
     layout = arch.kv_layout(config, torch.float32, block)
     cache = PagedKVCache(layout, blocks_per_seq * batch, block)
@@ -202,15 +192,19 @@ def engine_step(path: Path, timed: Timed, context: int, batch: int, reps: int):
     filled = _filled_cache(arch, config, context, batch, reps + 1)
     ids = torch.arange(3, 3 + batch)
     steps, attention, part = [], [], []
-    with _Clock(*timed.attention) as whole, _Clock(*timed.part) as inner:
+    owner, names = timed.part
+    with _Clock(*timed.attention) as whole, contextlib.ExitStack() as stack:
+        inner = [stack.enter_context(_Clock(owner, n)) for n in names]
         for i in range(reps + 1):
             segments = [Segment(b, context + i, 1) for b in range(batch)]
-            whole.seconds = inner.seconds = 0.0
+            for clock in (whole, *inner):
+                clock.seconds = 0.0
             start = time.perf_counter()
             model(ids, segments, StepCache(filled.cache, filled.slots), "none")
             steps.append(time.perf_counter() - start)
-            attention.append(whole.seconds - inner.seconds)
-            part.append(inner.seconds)
+            part_s = sum(clock.seconds for clock in inner)
+            attention.append(whole.seconds - part_s)
+            part.append(part_s)
     return tuple(statistics.median(x[1:]) for x in (steps, attention, part))
 
 
@@ -290,7 +284,7 @@ def kv_bytes(contexts=CONTEXTS) -> list[KVRow]:
         raw = published_config(name)
         arch = architecture(raw["model_type"])
         config = arch.parse_config(raw, name)
-        layout = arch.kv_layout(config, torch.bfloat16, _block_size(config))
+        layout = arch.kv_layout(config, torch.bfloat16, arch.block_size(config))
         state = deepseek_v4.state_bytes_per_request(config, torch.bfloat16) if config.v4 else 0
         formula = Architecture.from_config(raw, name)
         rows.append(

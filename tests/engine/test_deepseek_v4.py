@@ -119,6 +119,41 @@ def test_batched_segments_match_one_at_a_time(v4_path):
     assert (model.logits(both[1:]) - model.logits(ref[20:])).abs().max() < LOGIT_TOL
 
 
+@pytest.mark.parametrize("lengths", [(5, 12, 39, 70), (12, 39, 70)])
+def test_decode_tokens_of_several_requests_match_each_alone(v4_path, lengths):
+    """Decode rows go through attention as one batch: requests still filling their window
+    (left-padded), completing compression windows, past index_topk entries (each query's own
+    top-k) and reaching a block's end (its checkpoint and tail written: the request resumes from
+    them) — the logits each would get alone."""
+    arch, config, model = one_rank_model(v4_path)
+    layout = arch.kv_layout(config, torch.float32, 16)
+    slots = {i: StepCache.slots_of(list(range(6 * i, 6 * i + 6)), 16) for i in range(len(lengths))}
+    tokens = {i: [(7 * i + 3 * t) % 400 + 3 for t in range(n + 5)] for i, n in enumerate(lengths)}
+    shared = StepCache(PagedKVCache(layout, 6 * len(lengths), 16), slots)
+    for i, n in enumerate(lengths):
+        model(torch.tensor(tokens[i][:n]), [Segment(i, 0, n)], shared, "none")
+    together = []
+    for t in range(4):
+        step = [Segment(i, n + t, 1) for i, n in enumerate(lengths)]
+        ids = torch.tensor([tokens[i][n + t] for i, n in enumerate(lengths)])
+        together.append(model.logits(model(ids, step, shared, "none")))
+    at_block_end = lengths.index(12)  # 16 tokens now: resumes from what the batch wrote
+    model.release(at_block_end)
+    step = [Segment(at_block_end, 16, 1)]
+    resumed = model.logits(model(torch.tensor([tokens[at_block_end][16]]), step, shared, "none"))
+    for i, n in enumerate(lengths):
+        alone = StepCache(PagedKVCache(layout, 6 * len(lengths), 16), slots)
+        model.release(i)
+        out = model(torch.tensor(tokens[i][: n + 5]), [Segment(i, 0, n + 5)], alone, "none")
+        expected = model.logits(out[n:])
+        got = torch.stack([logits[i] for logits in together])
+        if i == at_block_end:
+            got = torch.cat([got, resumed])
+        else:
+            expected = expected[:-1]
+        assert (got - expected).abs().max() < LOGIT_TOL, (n, (got - expected).abs().max())
+
+
 def _set_reference(hf_model, topk=None, limit=None):
     for layer in hf_model.model.layers:
         compressor = layer.self_attn.compressor
@@ -430,9 +465,11 @@ def test_a_decode_query_reads_only_its_chosen_entries(v4_path, monkeypatch):
     from moeinfra.engine.models import deepseek_v4
 
     arch, config, model = one_rank_model(v4_path)
-    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 8, 16)
-    step = StepCache(cache, {0: StepCache.slots_of(list(range(8)), 16)})
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 16), 16, 16)
+    slots = {s: StepCache.slots_of(list(range(8 * s, 8 * s + 8)), 16) for s in (0, 1)}
+    step = StepCache(cache, slots)
     model(torch.arange(3, 103), [Segment(0, 0, 100)], step, "none")
+    model(torch.arange(5, 106), [Segment(1, 0, 101)], step, "none")
     shapes = []
     real = deepseek_v4.gather
 
@@ -445,3 +482,6 @@ def test_a_decode_query_reads_only_its_chosen_entries(v4_path, monkeypatch):
     topk, csa = config.v4.index_topk, 4
     assert (1, topk, csa) in shapes  # each CSA layer: the query's top-k entries, 4 rows each
     assert (100 // csa * csa,) in shapes  # the indexer's keys: every complete window's
+    shapes.clear()  # two requests' decode tokens as one batch: each its own top-k
+    model(torch.tensor([5, 6]), [Segment(0, 101, 1), Segment(1, 101, 1)], step, "none")
+    assert (2, topk * csa) in shapes and (2, 100 // csa * csa) in shapes

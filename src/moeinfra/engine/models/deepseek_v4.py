@@ -397,9 +397,11 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(hidden, self.heads)
 
     def scores(self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor, rope, pos):
-        """``[L, T]`` float32 scores of ``L`` queries over ``T`` compressed keys."""
+        """``[L, T]`` float32 scores of ``L`` queries over ``T`` compressed keys (``keys [T, d]``
+        shared, or ``[L, T, d]`` each query's own)."""
         q = rope(self.wq_b(q_residual).view(-1, self.heads, self.dim), pos).float()
-        s = F.relu(torch.einsum("lhd,td->lht", q, keys.float())) * self.dim**-0.5
+        shared = "td" if keys.dim() == 2 else "ltd"
+        s = F.relu(torch.einsum(f"lhd,{shared}->lht", q, keys.float())) * self.dim**-0.5
         w = self.weights_proj(x).float() * self.heads**-0.5
         return (s * w[..., None]).sum(dim=1)
 
@@ -440,12 +442,20 @@ class V4AttentionLayer(nn.Module):
         q_residual = self.q_norm(self.wq_a(x))
         q = _head_rms(self.wq_b(q_residual).view(-1, self.heads, self.head_dim), self.eps)
         out = torch.empty_like(q)
-        row = 0
+        starts = [0]
         for s in segments:
-            rows = slice(row, row + s.length)
+            starts.append(starts[-1] + s.length)
+        decode = [i for i, s in enumerate(segments) if s.length == 1]
+        if len(decode) > 1:  # one token each: their attention as one batch
+            at = torch.tensor([starts[i] for i in decode], device=x.device)
+            batch = [segments[i] for i in decode]
+            out[at] = self._decode(x[at], q[at], q_residual[at], batch, cache)
+        for i, s in enumerate(segments):
+            if len(decode) > 1 and s.length == 1:
+                continue
+            rows = slice(starts[i], starts[i + 1])
             pos = torch.arange(s.start, s.start + s.length, device=x.device)
             out[rows] = self._segment(x[rows], q[rows], q_residual[rows], pos, s, cache)
-            row += s.length
         g = self.v4.o_groups
         grouped = out.reshape(-1, g, self.heads * self.head_dim // g)
         w = self.wo_a.weight.view(g, -1, grouped.shape[-1])
@@ -490,41 +500,103 @@ class V4AttentionLayer(nn.Module):
         self.held[s.seq] = _Held(end, kept, rows_from, rows)
         return self.rope(out.to(q.dtype), pos, inverse=True)
 
+    def _decode(self, x, q, q_residual, segs: list[Segment], cache: LayerCache) -> torch.Tensor:
+        """:meth:`_segment` for requests of one new token each, as one batch: the window keys of
+        every request side by side (left-padded while shorter than the window), the compressed
+        entries of each (padded to the most any has; CSA: each query's top-k by the indexer)."""
+        b, device = len(segs), x.device
+        window, kept = self.v4.sliding_window, self.v4.sliding_window - 1
+        pos = torch.tensor([s.start for s in segs], device=device)
+        q = self.rope(q, pos)
+        new = self.rope(self.norm(self.wkv(x)), pos)
+        slots = [cache.step.slots[s.seq] for s in segs]
+        held = [self._resume(s.seq, s.start, sl, cache) for s, sl in zip(segs, slots, strict=True)]
+        lengths = [h.window.shape[0] for h in held]
+        if all(n == kept for n in lengths):
+            keys = torch.cat([torch.stack([h.window for h in held]), new[:, None]], dim=1)
+            valid = None
+        else:
+            keys = new.new_zeros(b, window, self.head_dim)
+            valid = torch.zeros(b, window, dtype=torch.bool, device=device)
+            for i, h in enumerate(held):
+                keys[i, kept - lengths[i] : kept] = h.window
+                valid[i, kept - lengths[i] :] = True
+            keys[:, -1] = new
+        span = cache.step.cache.block_size
+        rows_from, rows = [0] * b, [[] for _ in segs]
+        entries = entry_valid = None
+        if self.compressor is not None:
+            rows_from, rows, entries, entry_valid = self._decode_compressed(
+                x, q_residual, pos, segs, held, slots, cache
+            )
+        for i, s in enumerate(segs):
+            mine = keys[i, kept - lengths[i] :]
+            if (s.start + 1) % span == 0:
+                self._write_checkpoints(s, mine, s.start - lengths[i], slots[i], cache)
+            last = mine[max(0, mine.shape[0] - kept) :]
+            self.held[s.seq] = _Held(s.start + 1, last, rows_from[i], rows[i])
+        scale, qf = self.head_dim**-0.5, q.float()
+        logits = [torch.einsum("bhd,bkd->bhk", qf, keys.float()) * scale]
+        if valid is not None:
+            logits[0] = logits[0].masked_fill(~valid[:, None, :], float("-inf"))
+        if entries is not None:
+            picked = torch.einsum("bhd,bkd->bhk", qf, entries) * scale
+            logits.append(picked.masked_fill(~entry_valid[:, None, :], float("-inf")))
+        logits.append(self.attn_sink.float().view(1, -1, 1).expand(b, -1, 1))
+        probs = torch.cat(logits, dim=-1).softmax(dim=-1)
+        out = torch.einsum("bhk,bkd->bhd", probs[..., :window], keys.float())
+        if entries is not None:
+            out = out + torch.einsum("bhk,bkd->bhd", probs[..., window:-1], entries)
+        return self.rope(out.to(q.dtype), pos, inverse=True)
+
+    def _decode_compressed(self, x, q_residual, pos, segs, held, slots, cache: LayerCache):
+        """:meth:`_compressed` for :meth:`_decode`'s requests: each request's windows compressed
+        (:meth:`_compress`), then the compressed entries each attends, ``[B, E, hd]`` float32, and
+        which are real ``[B, E]`` -> ``(first positions kept, rows kept, entries, real)``
+        (entries None while no request has one)."""
+        projected = self._projections(x)
+        his, rows_from, rows = [], [], []
+        for i, s in enumerate(segs):
+            own = [p[i : i + 1] for p in projected]
+            hi, first, kept = self._compress(s, own, held[i], slots[i], cache)
+            his.append(hi)
+            rows_from.append(first)
+            rows.append(kept)
+        m, comp, most = self.ratio, self.compressor, max(his)
+        if not most:
+            return rows_from, rows, None, None
+        device = x.device
+        context = torch.nn.utils.rnn.pad_sequence(
+            [sl[: hi * m] for sl, hi in zip(slots, his, strict=True)], batch_first=True
+        )  # [B, most * m] slots, padded with slot 0 (masked)
+        counts = torch.tensor(his, device=device)
+        valid = torch.arange(most, device=device)[None, :] < counts[:, None]
+        k = most if self.indexer is None else min(self.v4.index_topk, most)
+        if k < most:
+            keys = gather(self._part(cache, INDEX_ENTRY), context).reshape(len(his), most, -1)
+            scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
+            chosen = scores.masked_fill(~valid, float("-inf")).topk(k, dim=-1).indices
+            tokens = (chosen[..., None] * m + torch.arange(m, device=device)).flatten(1)
+            entries = gather(self._part(cache, ENTRY), context.gather(1, tokens))
+            entries = entries.reshape(len(his), k, comp.dim)
+            return rows_from, rows, entries.float(), valid.gather(1, chosen)
+        entries = gather(self._part(cache, ENTRY), context).reshape(len(his), most, comp.dim)
+        return rows_from, rows, entries.float(), valid
+
     def _compressed(self, x, q_residual, pos, s: Segment, slots, cache: LayerCache, held):
         """Compress the windows this segment completes, writing each entry as ``ratio`` slices at
         its tokens (and, at a block's end, CSA's tail); -> ``(entries [E, hd], visible [L, E])``
         of every entry up to the segment's end or, where the indexer's picks are fewer rows than
         the context (decode), each query's own ``(entries [L, k, hd], valid [L, k])``; then the
         first position and the rows of the projections later windows still read."""
-        m, end = self.ratio, s.start + s.length
-        comp = self.compressor
-        projected = [comp.wkv(x), comp.wgate(x)]
-        if self.indexer is not None:
-            ic = self.indexer.compressor
-            projected += [ic.wkv(x), ic.wgate(x)]
-        first = held.start
-        rows = [torch.cat([old, new]) for old, new in zip(held.rows, projected, strict=True)]
-        lo, hi = (s.start + m) // m - 1, end // m  # windows completing here: lo .. hi - 1
-        if hi > lo:
-            prior = 1 if comp.overlap and lo > 0 else 0
-            span = slice((lo - prior) * m - first, hi * m - first)
-            at = torch.arange(lo, hi, device=x.device)
-            tokens = slots[lo * m : hi * m]
-            entries = self.compress_rope(comp.entries(rows[0][span], rows[1][span], lo), at * m)
-            self._part(cache, ENTRY)[tokens] = entries.reshape(-1, comp.dim // m)
-            if self.indexer is not None:
-                keys = self.compress_rope(ic.entries(rows[2][span], rows[3][span], lo), at * m)
-                self._part(cache, INDEX_ENTRY)[tokens] = keys.reshape(-1, ic.dim // m)
-        if self.indexer is not None:
-            self._write_tails(s, rows, first, slots, cache)
-        keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
-        rows = [r[keep - first :] for r in rows]
+        m, comp = self.ratio, self.compressor
+        hi, keep, rows = self._compress(s, self._projections(x), held, slots, cache)
         context = slots[: hi * m]
         visible = torch.arange(hi, device=x.device)[None, :] < ((pos + 1) // m)[:, None]
         if self.indexer is None or not hi:
             entries = gather(self._part(cache, ENTRY), context).reshape(hi, comp.dim)
             return entries, visible, keep, rows
-        keys = gather(self._part(cache, INDEX_ENTRY), context).reshape(hi, ic.dim)
+        keys = gather(self._part(cache, INDEX_ENTRY), context).reshape(hi, -1)
         scores = self.indexer.scores(x, q_residual, keys, self.compress_rope, pos)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.v4.index_topk, hi)
@@ -538,6 +610,40 @@ class V4AttentionLayer(nn.Module):
         picked = torch.zeros_like(visible)
         picked.scatter_(1, chosen, True)
         return entries, visible & picked, keep, rows
+
+    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The compressor's key and gate projections of ``x`` (and the indexer's, with CSA)."""
+        comp = self.compressor
+        projected = [comp.wkv(x), comp.wgate(x)]
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            projected += [ic.wkv(x), ic.wgate(x)]
+        return projected
+
+    def _compress(self, s: Segment, projected, held, slots, cache: LayerCache):
+        """Append ``s``'s ``projected`` rows to what ``held`` keeps, compress the windows ``s``
+        completes into the cache (each entry as ``ratio`` slices at its tokens; at a block's end,
+        CSA's tail) -> ``(entries up to s's end, first position kept, the rows kept)``."""
+        m, end = self.ratio, s.start + s.length
+        comp = self.compressor
+        first = held.start
+        rows = [torch.cat([old, new]) for old, new in zip(held.rows, projected, strict=True)]
+        lo, hi = (s.start + m) // m - 1, end // m  # windows completing here: lo .. hi - 1
+        if hi > lo:
+            prior = 1 if comp.overlap and lo > 0 else 0
+            span = slice((lo - prior) * m - first, hi * m - first)
+            at = torch.arange(lo, hi, device=slots.device)
+            tokens = slots[lo * m : hi * m]
+            entries = self.compress_rope(comp.entries(rows[0][span], rows[1][span], lo), at * m)
+            self._part(cache, ENTRY)[tokens] = entries.reshape(-1, comp.dim // m)
+            if self.indexer is not None:
+                ic = self.indexer.compressor
+                keys = self.compress_rope(ic.entries(rows[2][span], rows[3][span], lo), at * m)
+                self._part(cache, INDEX_ENTRY)[tokens] = keys.reshape(-1, ic.dim // m)
+        if self.indexer is not None:
+            self._write_tails(s, rows, first, slots, cache)
+        keep = max(first, (end // m - (1 if comp.overlap else 0)) * m)
+        return hi, keep, [r[keep - first :] for r in rows]
 
     def _tail_split(self) -> list[int]:
         m, hd, idx = self.ratio, self.head_dim, self.indexer.compressor.dim
