@@ -221,13 +221,16 @@ def test_a_prompt_longer_than_128k_is_v4s_only():
 
 
 def test_v4_flash_serves_a_long_context_workload_on_a_fraction_of_v32s_fleet():
-    """100K-token prompts (DeepSeek's cache-hit share), 1K answers, 100K output tokens/s for 15
-    minutes, FP8 caches: V4-Flash's cheapest fleet costs well under half of V3.2's, in prefill
-    (a quarter of the activated parameters, attention over compressed entries) and in decode."""
+    """128K-token prompts (a mean of 131,071 tokens, the largest V3.2's 131,072-token context
+    accepts; DeepSeek's cache-hit share), 1K answers, 100K output tokens/s for 15 minutes, FP8
+    caches: V4-Flash's cheapest fleet costs well under half of V3.2's, in prefill (a quarter of the
+    activated parameters, attention over compressed entries) and in decode. V3.2 clips its prompts
+    at 131,071 tokens (about 31% of them, and their answers to 1 token), V4-Flash at 1,048,575:
+    V4-Flash carries the heavier trace and still costs under half."""
 
     def plan(name):
         result = cli(
-            "plan", "--demand", "100000", "--lengths", "100000:1000", "--hours", "0.25",
+            "plan", "--demand", "100000", "--lengths", "131071:1000", "--hours", "0.25",
             "--scale", "20", "--micro-batches", "2", "--modes", "disaggregated",
             "--model", name, "--kv-cache-dtype", "fp8", "--calibration", "none", "--json",
         )  # fmt: skip
@@ -238,6 +241,53 @@ def test_v4_flash_serves_a_long_context_workload_on_a_fraction_of_v32s_fleet():
     assert flash["model"]["name"] == "deepseek-v4-flash"
     assert flash["cost_usd"] < 0.5 * v32["cost_usd"]
     assert flash["decode"]["total_nodes"] < v32["decode"]["total_nodes"]
+
+
+def plan_1m(name: str, dtype: str, *extra: str) -> subprocess.CompletedProcess:
+    """``serve plan`` of 1M-token prompts (the largest mean V4's context accepts), cheaply: 2K
+    output tokens/s for 15 minutes, each sampled request standing for 5."""
+    return cli(
+        "plan", "--demand", "2000", "--lengths", "1048575:1000", "--hours", "0.25",
+        "--scale", "5", "--micro-batches", "2", "--modes", "disaggregated",
+        "--model", name, "--kv-cache-dtype", dtype, "--calibration", "none", *extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("deepseek-v4-flash", "fp8"), ("deepseek-v4-pro", "fp8"), ("deepseek-v4-pro", "bf16")],
+)
+def test_the_planner_answers_1m_token_prompts_on_units_that_hold_one(name, dtype):
+    """The plan's prefill (and decode) units fit one 1,048,576-token request beside their weights;
+    the units that do not are left out, named, and the planner answers with the rest: V4-Pro has
+    no 1- or 2-node unit, and in BF16 not its 4-node unit with 32 redundant experts either."""
+    run = plan_1m(name, dtype, "--slo-ttft-p95", "10s", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    m = model(name, dtype)
+    for side in ("prefill", "decode"):
+        unit = out[side]
+        dep = Deployment(side, unit["nodes"], unit["redundant_experts"], unit["micro_batches"])
+        use = PerfModel(dep, H800, m).memory_use()
+        assert use.fits and use.context == MILLION, use.describe()
+    unfit = " ".join(out["unfit"])
+    if name == "deepseek-v4-pro":
+        assert "1-node prefill unit" in unfit and "2-node prefill unit" in unfit
+        left_out = "4-node prefill unit, 32 redundant experts"
+        assert (left_out in unfit) == (dtype == "bf16")
+        assert "1,048,576-token request's KV" in unfit
+    else:
+        assert not unfit
+
+
+def test_a_ttft_slo_no_searched_unit_reaches_is_refused_in_one_line_naming_the_closest():
+    """At 1M-token prompts no 8-node V4-Pro prefill unit brings TTFT p95 under 2 s however many
+    there are (a long prompt's own prefill takes longer): one line naming the closest."""
+    run = plan_1m("deepseek-v4-pro", "fp8")
+    assert run.returncode == 2 and run.stderr.count("\n") <= 1, run.stderr
+    assert "no fleet meets the SLOs" in run.stderr
+    assert "prefill: at best" in run.stderr and "8-node units, TTFT p95" in run.stderr
+    assert "against 2 s" in run.stderr
 
 
 def test_simulate_and_frontier_take_v4_and_list_its_assumptions():

@@ -477,8 +477,38 @@ def plan_capacity(
     if plan.colocated is None and math.isinf(plan.disaggregated_cost_usd):
         raise InputError(
             f"no fleet meets the SLOs with up to max_units={max_units} units of any candidate"
+            + _closest(options, search)
         )
     return plan
+
+
+def _closest(options: list[Option], search: _Search) -> str:
+    """For a refusal: per phase whose every searched shape missed, the one that came nearest its
+    SLO(s), its units and what they reached (more units no longer helped, or ``max_units``)."""
+    n = format_number
+    parts = []
+    for phase in ("prefill", "decode", "colocated"):
+        tried = [o for o in options if o.phase == phase and o.searched]
+        if not tried or any(o.meets_slo for o in tried):
+            continue
+        best = min(tried, key=lambda o: search.missed((o.ttft_p95_s, o.tpot_p95_s)))
+        reached = []
+        for name, value, slo, unit, k in (
+            ("TTFT", best.ttft_p95_s, search.slo_ttft_s, "s", 1.0),
+            ("TPOT", best.tpot_p95_s, search.slo_tpot_s, "ms", 1e3),
+        ):
+            if value is None:
+                continue
+            reached.append(
+                f"{name} p95 {n(value * k)} {unit} against {n(slo * k)} {unit}"
+                if math.isfinite(value)
+                else "requests left unserved"
+            )
+        parts.append(
+            f"{phase}: at best {n(best.units)} x {n(best.shape.nodes)}-node units, "
+            + " and ".join(dict.fromkeys(reached))
+        )
+    return " (" + "; ".join(parts) + ")" if parts else ""
 
 
 def _unit_bounds(workload: Workload, models: dict, drain_s: float):
