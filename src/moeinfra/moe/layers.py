@@ -12,6 +12,23 @@ from moeinfra.moe.gate import Gate
 # Below this many multiply-adds torch's own GEMM call is cheaper than oneDNN's set-up (~15 us).
 ONEDNN_MIN_MACS = 1 << 21
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# The row count oneDNN lays a packed weight out for; measured fastest from 1 to 2,048 rows.
+_PACKED_FOR_ROWS = 8
+
+
+def _to_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight^T`` goes to oneDNN: CPU inference in bfloat16 (always), or in float32
+    from :data:`ONEDNN_MIN_MACS` on."""
+    return (
+        _ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and not torch.is_grad_enabled()
+        and (
+            x.dtype == torch.bfloat16
+            or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS)
+        )
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -20,25 +37,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     slower than oneDNN on the AMD EPYC machines we measure on: 16.5 vs 7.7 ms for
     ``[8, 256] x [256, 129280]``, 1.8 vs 0.7 ms for ``[256, 256] x [256, 2048]``; 2 threads).
     Same result up to float32 rounding."""
-    if (
-        _ONEDNN
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS
-    ):
+    if x.dtype == torch.float32 and _to_onednn(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without bias whose inference GEMM is :func:`linear`."""
+    """``nn.Linear`` without bias whose inference GEMM on the CPU is oneDNN's with the weight
+    packed once in oneDNN's own layout (bfloat16 always, float32 where :func:`linear` takes
+    oneDNN): the weight is then read as oneDNN's kernel wants it rather than reordered on every
+    call — the LM head ``[8, 256] x [256, 129,280]`` 5.2 -> 3.6 ms in float32, 3.3 -> 1.9 ms in
+    bfloat16 (2 threads, AMD EPYC). The packed copy is kept beside the weight (rebuilt when the
+    weight changes); bfloat16 results are identical, float32 equal up to rounding."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        self._packed: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        if _to_onednn(x, self.weight):
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self._packed_weight(), None, "none", [], ""
+            )
+        return F.linear(x, self.weight)
+
+    def _packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+        if self._packed is None or self._packed[0] != key:
+            packed = torch.ops.mkldnn._reorder_linear_weight(
+                w.detach().contiguous(), _PACKED_FOR_ROWS
+            )
+            self._packed = (key, packed)
+        return self._packed[1]
 
 
 class RMSNorm(nn.Module):
