@@ -235,3 +235,25 @@ def test_single_process_expert_parallel_equals_reference():
 def test_config_dict_round_trip():
     c = tiny()
     assert MoEConfig(**c.to_dict()) == c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_packed_for_onednn_equals_f_linear_and_follows_weight_changes(dtype):
+    """On the CPU at inference Linear runs oneDNN on a packed copy of its weight: the result of
+    F.linear (float32 up to rounding, bfloat16 the same), and a changed weight is repacked."""
+    from moeinfra.moe.layers import Linear, _to_onednn
+
+    torch.manual_seed(0)
+    layer = Linear(256, 8192).to(dtype)
+    x = torch.randn(8, 256, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 0.0
+    with torch.no_grad():
+        assert _to_onednn(x, layer.weight) == torch.backends.mkldnn.is_available()
+        for _ in range(2):
+            expected = torch.nn.functional.linear(x, layer.weight)
+            got = layer(x)
+            assert (got.float() - expected.float()).abs().max() <= tol
+            layer.weight.copy_(torch.randn_like(layer.weight))  # e.g. a checkpoint loaded later
+    with torch.enable_grad():  # training: plain F.linear, gradients flow
+        layer(x.float().to(dtype)).sum().backward()
+    assert layer.weight.grad is not None
