@@ -153,6 +153,73 @@ def test_prefill_by_layer_kind():
     assert p.prefill_seconds_per_token() > 0
 
 
+def prefill_unit(name: str, dtype: str = "fp8", nodes: int = 8, **kw) -> PerfModel:
+    m = model(name, dtype)
+    dep = Deployment(
+        "prefill", nodes, fitting_redundant_experts(nodes, 8, m.num_routed_experts), **kw
+    )
+    return PerfModel(dep, H800, m)
+
+
+def test_a_prefill_micro_batch_reads_the_cache_once_and_a_decode_query_its_requests(
+    monkeypatch,
+):
+    """A prefill chunk's queries score against the same index keys (the kernels take a block of
+    keys for a tile of queries; vLLM gathers a chunk's keys once): the indexer's logits read the
+    chunk's context once, not once per query. A chunk of N = 4,096 tokens ending a
+    1,048,576-token prompt (mean context 1,046,528): 262,144 CSA index keys of 68 bytes (FP4)
+    read once, plus one float32 logit written per query and key; decode reads each request's."""
+    p = prefill_unit("deepseek-v4-flash")
+    n, tokens = 4096, 1 << 20
+    context = tokens - n / 2
+    assert float(p.prefill_key_tokens(n, context)) == tokens
+    # prompts whole in the micro-batch: its tokens and their cache hits
+    assert float(p.prefill_key_tokens(n, n / 2)) == n
+    assert float(p.prefill_key_tokens(n, 1000 + n / 2, cached_per_token=1000 / n)) == n + 1000
+    seen = []
+    work = PerfModel._index_logits_work
+
+    def spy(self, *args):
+        seen.append(work(self, *args))
+        return seen[-1]
+
+    monkeypatch.setattr(PerfModel, "_index_logits_work", spy)
+    p._v4_layer(CSA, n, context)
+    p._v4_layer(CSA, 16, context, requests=8)  # decode: 8 requests, 2 queries each
+    flops, prefill_bytes = seen[0]
+    assert flops == 2 * 64 * 128 * n * (context / 4)
+    assert prefill_bytes == tokens / 4 * 68 + 4 * n * (context / 4)
+    assert seen[1][1] == 8 * (context / 4) * 68 + 4 * 16 * (context / 4)
+
+
+def test_the_cache_format_moves_a_v4_prefill_step_only_by_its_kv_bytes():
+    """An 8-node V4-Pro prefill step of 1M-token prompts' chunks (mean context 512K): BF16 caches
+    may cost it at most reading the extra bytes of one 1M-token request's KV once per micro-batch
+    (counting the index keys once per query made the step 8.3 s in BF16 against 4.3 in FP8)."""
+    steps = {}
+    for dtype in ("fp8", "bf16"):
+        p = prefill_unit("deepseek-v4-pro", dtype)
+        steps[dtype] = p.prefill_breakdown(attn_keys_per_token=1 << 19, prompt_len=1 << 20).step_s
+    extra = model("deepseek-v4-pro", "bf16").kv_bytes(MILLION) - model(
+        "deepseek-v4-pro", "fp8"
+    ).kv_bytes(MILLION)
+    bound = 2 * extra / (H800.hbm_tb_per_s * 1e12 * p.eff.memory)
+    assert 0 <= steps["bf16"] - steps["fp8"] <= bound, steps
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_v4s_prefill_weight_is_its_steps_attention_per_token(name):
+    """The per-token weight that spreads a prefill step's attention over prompts of different
+    lengths is the step's core attention and indexer per token of its micro-batch (the weights
+    and the cache read once for it, shared by its tokens): on one micro-batch exactly."""
+    p = prefill_unit(name, micro_batches=1)
+    for keys in (1024.0, 65_536.0, 524_288.0):
+        b = p.prefill_breakdown(attn_keys_per_token=keys, prompt_len=2 * keys)
+        attention = b.parts["core_attn"].sum() + b.parts[INDEXER].sum()
+        weight = float(p.prefill_attention_weight(keys))
+        assert weight * p.dep.tokens_per_gpu == pytest.approx(attention, rel=1e-9)
+
+
 def test_mtp_adds_a_window_layer():
     p = decode_unit("deepseek-v4-flash", mtp_acceptance=0.85)
     kinds = p.model.layer_kinds()

@@ -569,25 +569,47 @@ class PerfModel:
         )
 
     # ---- DeepSeek Sparse Attention -----------------------------------------------------------
+    @staticmethod
+    def prefill_key_tokens(tokens, context, cached_per_token=0.0):
+        """Earlier tokens whose cached keys a prefill micro-batch of ``tokens`` query tokens at
+        ``context`` keys each (the mean) reads, each once (broadcasts): a chunk's queries score
+        against the same keys, which the kernels take a block at a time for a tile of queries
+        (DeepGEMM's MQA logits; vLLM gathers a prefill chunk's index keys once for all its
+        queries). At least the tokens themselves with their cache hits
+        (``tokens x (1 + cached_per_token)``: prompts whole in the micro-batch) and at least one
+        request's context, ``context + tokens / 2`` (a chunk of a longer prompt reads the prefix
+        before it: its queries' mean context is the prefix plus half the chunk)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return np.maximum(tokens * (1.0 + cached_per_token), context + tokens / 2.0)
+
+    def _index_logits_work(self, queries, keys, keys_read, key_bytes):
+        """(FLOPs, bytes) of the indexer's logits for ``queries`` queries each scoring ``keys``
+        index keys: ``2 x heads x dim`` per query and key; ``keys_read`` index keys of
+        ``key_bytes`` read from the cache (prefill: each once, :meth:`prefill_key_tokens`;
+        decode: each request's own) and one float32 logit written per query and key."""
+        m = self.model
+        flops = 2 * m.index_n_heads * m.index_head_dim * queries * keys
+        return flops, keys_read * key_bytes + 4 * queries * keys
+
+    def _index_scores(self, queries, keys, keys_read, key_bytes, sm_fraction: float = 1.0):
+        """Seconds of the indexer's logits (DeepGEMM's MQA-logits kernels, at the FP8 GEMM rate,
+        x ``gemm_time``; :meth:`_index_logits_work`) and of the top-k, reading the logits once
+        (HBM-bound); V3.2's and V4's CSA indexers alike."""
+        hw, eff = self.hw, self.eff
+        flops, bytes_moved = self._index_logits_work(queries, keys, keys_read, key_bytes)
+        top_k = 4 * queries * keys / (hw.hbm_tb_per_s * 1e12 * eff.memory)
+        return self._gemm(flops, bytes_moved, sm_fraction) + top_k
+
     def _indexer(self, queries, keys, key_tokens, sm_fraction: float = 1.0):
         """Seconds of the lightning indexer for ``queries`` query tokens each scoring ``keys``
         earlier tokens, whose index keys (``key_tokens`` of them, read once) come from the cache,
         in three kernels one after another as DeepSeek's inference code runs them: the
         projections (FP8 GEMMs: q_lora_rank -> heads x dim, hidden -> dim, hidden -> heads); the
-        logits, ``2 x heads x dim`` FP8 FLOPs per query and key (DeepGEMM's MQA-logits kernels, at
-        the GEMM efficiency) against reading the index keys and writing one float32 logit per
-        query and key; the top-k selection, reading those logits once (HBM-bound). The first two
-        are DeepGEMM kernels (x ``gemm_time``). Broadcasts."""
-        m, hw, eff = self.model, self.hw, self.eff
-        heads, dim = m.index_n_heads, m.index_head_dim
+        logits and the top-k (:meth:`_index_scores`). Broadcasts."""
+        m = self.model
         projections = self._gemm(2 * queries * m.indexer_params, m.indexer_params, sm_fraction)
-        logits = self._gemm(
-            2 * heads * dim * queries * keys,
-            key_tokens * m.index_key_bytes_per_token_layer + 4 * queries * keys,
-            sm_fraction,
-        )
-        top_k = 4 * queries * keys / (hw.hbm_tb_per_s * 1e12 * eff.memory)
-        return projections + logits + top_k
+        key_bytes = m.index_key_bytes_per_token_layer
+        return projections + self._index_scores(queries, keys, key_tokens, key_bytes, sm_fraction)
 
     def _sparse_mla(self, factor: float, queries, keys, bytes_read, compute: float, sm=1.0):
         """Seconds of MLA in MQA mode (the absorbed form: 576-dimensional keys, 512-dimensional
@@ -622,7 +644,15 @@ class PerfModel:
         weights = self._slots * m.expert_params
         return self._gemm(2 * rows * m.expert_params, weights * FP4_BYTES_PER_WEIGHT, sm_fraction)
 
-    def _v4_layer(self, kind: str, tokens, context, requests=None, sm_fraction: float = 1.0):
+    def _v4_layer(
+        self,
+        kind: str,
+        tokens,
+        context,
+        requests=None,
+        sm_fraction: float = 1.0,
+        key_tokens=None,
+    ):
         """(core attention, compressor + indexer) seconds of one V4 layer of ``kind`` for
         ``tokens`` query rows at ``context`` tokens each (broadcasts). Core attention: each head
         scores and sums ``min(context, sliding_window)`` window entries and the compressed ones
@@ -630,12 +660,18 @@ class PerfModel:
         FLOPs per head and entry, at FlashMLA's sparse kernels' share of the BF16 peak (vLLM runs
         V4's attention on them: ``vllm/models/deepseek_v4/nvidia/flashmla.py``); decoding
         (``requests`` given) reads the window and HCA's entries once per request and a CSA query's
-        chosen entries per query. Compressor: its BF16 projections (wkv, wgate; x2 the FP8
-        FLOPs and bytes). CSA's indexer: its projections, the logits of every query against every
-        compressed index key at the FP8 GEMM rate (V4 multiplies them in FP4; Hopper has no FP4
-        tensor cores, and no FP4 rate is assumed on other parts either) against reading the keys
-        and writing float32 logits, and the top-k reading them (HBM-bound)."""
-        m, a, hw, eff = self.model, self.model.arch, self.hw, self.eff
+        chosen entries per query; prefill reads the entries of the ``key_tokens`` earlier tokens
+        once for the micro-batch (default :meth:`prefill_key_tokens`; the window: the micro-batch's
+        own tokens and one window before them; CSA: at most the entries its queries choose, the
+        per-query gather of the sparse kernel served from L2, as V3.2's sparse prefill is
+        modelled). Compressor: its BF16 projections (wkv, wgate; x2
+        the FP8 FLOPs and bytes). CSA's indexer: its projections, the logits of every query
+        against every compressed index key at the FP8 GEMM rate (V4 multiplies them in FP4;
+        Hopper has no FP4 tensor cores, and no FP4 rate is assumed on other parts either) against
+        reading the index keys (in prefill each once for the micro-batch, in decode each
+        request's) and writing float32 logits, and the top-k reading them (HBM-bound;
+        :meth:`_index_scores`, as V3.2's)."""
+        m, a, eff = self.model, self.model.arch, self.eff
         d, h, c = m.hidden, m.num_heads, a.head_dim
         ratio = dict(zip(a.layer_kinds, a.compress_ratios, strict=True)).get(kind, 0)
         context = np.asarray(context, dtype=np.float64)
@@ -645,11 +681,20 @@ class PerfModel:
         flops = 4 * h * c * tokens * (window + chosen)
         entry = a.entry_bytes(m.kv_cache_dtype)
         if requests is None:
-            factor, compute, read = eff.attention_time, eff.sparse_prefill_compute, 0.0
+            factor, compute = eff.attention_time, eff.sparse_prefill_compute
+            if key_tokens is None:
+                key_tokens = self.prefill_key_tokens(tokens, context)
+            entries_read = key_tokens / ratio if ratio else 0.0 * key_tokens
+            if kind == CSA:  # at most what the queries choose
+                entries_read = np.minimum(entries_read, tokens * chosen)
+            window_read = np.minimum(key_tokens, tokens + a.sliding_window)
+            read = entry * (window_read + entries_read)
+            index_keys_read = key_tokens / ratio if ratio else 0.0 * key_tokens
         else:
             factor, compute = eff.decode_attention_time, eff.sparse_decode_compute
             once = window + (0.0 if kind == CSA else entries)
             read = entry * (requests * once + (tokens * chosen if kind == CSA else 0.0))
+            index_keys_read = requests * entries
         core = self._attention(factor, flops, read, sm_fraction, compute)
         extra = 0.0 * core
         if ratio:
@@ -662,26 +707,33 @@ class PerfModel:
             bf16 = d * ih + 2 * d * 2 * ic  # weights_proj, its compressor's wkv and wgate
             extra = extra + self._gemm(2 * tokens * fp8, fp8, sm_fraction)
             extra = extra + self._gemm(2 * 2 * tokens * bf16, 2 * bf16, sm_fraction)
-            keys_read = (tokens if requests is None else requests) * entries
-            extra = extra + self._gemm(
-                2 * ih * ic * tokens * entries,
-                keys_read * a.index_key_bytes(m.kv_cache_dtype) + 4 * tokens * entries,
-                sm_fraction,
+            key_bytes = a.index_key_bytes(m.kv_cache_dtype)
+            extra = extra + self._index_scores(
+                tokens, entries, index_keys_read, key_bytes, sm_fraction
             )
-            extra = extra + 4 * tokens * entries / (hw.hbm_tb_per_s * 1e12 * eff.memory)
         return core, extra
 
-    def _v4_prefill_attention(self, nb: float, keys: float, sm: float, combine: float = 0.0):
+    def _v4_prefill_attention(
+        self,
+        nb: float,
+        keys: float,
+        sm: float,
+        combine: float = 0.0,
+        cached_per_token: float = 0.0,
+    ):
         """(projections, core attention [layers], compressor + indexer [layers]) seconds of a V4
         prefill micro-batch of ``nb`` tokens at ``keys`` tokens of context each (the window and
-        compressed entries of :meth:`_v4_layer`), the core attention beside the other
-        micro-batch's combine as :meth:`_prefill_attention` runs it."""
+        compressed entries of :meth:`_v4_layer`, the cache read once for the micro-batch:
+        :meth:`prefill_key_tokens`), the core attention beside the other micro-batch's combine as
+        :meth:`_prefill_attention` runs it."""
         proj = float(self._v4_projections(nb, sm))
         core, extra = {}, {}
         kinds = self.model.layer_kinds()
+        read = self.prefill_key_tokens(nb, keys, cached_per_token)
         for kind in set(kinds):
-            full = float(self._v4_layer(kind, nb, keys)[0])  # on every SM, then slowed
-            extra[kind] = float(self._v4_layer(kind, nb, keys, sm_fraction=sm)[1])  # GEMMs
+            # on every SM, then slowed
+            full = float(self._v4_layer(kind, nb, keys, key_tokens=read)[0])
+            extra[kind] = float(self._v4_layer(kind, nb, keys, sm_fraction=sm, key_tokens=read)[1])
             core[kind] = float(self._beside_all_to_all(full, sm, combine - proj - extra[kind]))
         return (
             proj,
@@ -723,7 +775,9 @@ class PerfModel:
         read = self._attention(eff.attention_time, 0.0, kv_bytes)
         if not m.sparse:
             return proj, float(max(self._beside_all_to_all(mha, sm, combine - proj), read)), 0.0
-        indexer = float(self._indexer(nb, keys, up_tokens, sm))
+        indexer = float(
+            self._indexer(nb, keys, self.prefill_key_tokens(nb, keys, cached_per_token), sm)
+        )
         core = float(max(self._beside_all_to_all(mha, sm, combine - proj - indexer), read))
         sparse_proj = self._mla_projections(nb, nb, sm)
         sparse = self._sparse_mla(eff.attention_time, nb, keys, 0.0, eff.sparse_prefill_compute)
@@ -740,14 +794,21 @@ class PerfModel:
         lengths: ``keys`` itself for dense attention (FLOPs proportional to it); for sparse
         attention the compute time per token and layer of the indexer's logits plus the cheaper
         core-attention mode (seconds); for DeepSeek-V4 a token's core attention and indexer
-        seconds over its layers (:meth:`_v4_layer`, one row)."""
+        seconds over its layers per token of a micro-batch of the unit's size (:meth:`_v4_layer`;
+        what it reads once for the micro-batch, the weights and the cache, shared by its
+        tokens)."""
         keys = np.asarray(keys, dtype=np.float64)
         m, hw, eff = self.model, self.hw, self.eff
         if not m.sparse:
             return keys
         if m.v4:
             kinds = m.layer_kinds()
-            return sum(kinds.count(k) * sum(self._v4_layer(k, 1.0, keys)) for k in set(kinds))
+            nb = self.dep.tokens_per_gpu / self.dep.micro_batches
+            # in the schedule's order (a set's order varies with the hash seed, and so would the
+            # sum's last bit, which the planner's queue simulation can amplify)
+            order = dict.fromkeys(kinds)
+            per_kind = {k: sum(self._v4_layer(k, nb, keys)) / nb for k in order}
+            return sum(kinds.count(k) * per_kind[k] for k in order)
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         bf16 = hw.bf16_tflops * 1e12
         mha = 2 * m.num_heads * (qk + m.v_head_dim) * keys / (bf16 * eff.mha_prefill_compute)
@@ -866,7 +927,9 @@ class PerfModel:
         dispatch, combine = self._a2a_normal(nb) if self.gpus > 1 else (0.0, 0.0)
         routed, dispatch, combine, sources = self._measured(nb, sm, routed, dispatch, combine)
         if m.v4:
-            attn_proj, core, indexer = self._v4_prefill_attention(nb, keys, sm, float(combine))
+            attn_proj, core, indexer = self._v4_prefill_attention(
+                nb, keys, sm, float(combine), cached_per_token
+            )
         else:
             attn_proj, core, indexer = self._prefill_attention(
                 nb, keys, cached_per_token, sm, float(combine)
@@ -1052,7 +1115,7 @@ class PerfModel:
         head = self._gemm(2 * b * queries * m.hidden * m.vocab, m.hidden * m.vocab)
         if m.v4:  # every layer MoE; attention by layer kind
             layers = 0.0
-            for kind in set(m.layer_kinds()):
+            for kind in dict.fromkeys(m.layer_kinds()):  # a fixed order: the same last bit
                 attention = attn_proj + core[kind] + indexer[kind] + gate
                 count = m.layer_kinds().count(kind)
                 layers = layers + count * _overlapped(
