@@ -257,3 +257,19 @@ def test_linear_packed_for_onednn_equals_f_linear_and_follows_weight_changes(dty
     with torch.enable_grad():  # training: plain F.linear, gradients flow
         layer(x.float().to(dtype)).sum().backward()
     assert layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 100])
+def test_bfloat16_experts_on_the_cpu_equal_the_reference(tokens):
+    """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded):
+    the reference MoE's output to bfloat16 rounding, whether some slots get no rows (1, 8 tokens)
+    or every one does, including replicated experts (20 slots for 16 experts)."""
+    c = tiny()
+    moe = build_moe(c, seed=3)
+    x = torch.randn(tokens, c.hidden_size)
+    with torch.no_grad():
+        ref = moe(x)
+        plan = rebalance(np.random.default_rng(1).random((1, 16)), 20, 4, 1, 1)
+        ep = ExpertParallelMoE(moe, plan).to(torch.bfloat16)
+        got = ep(x.bfloat16()).float()
+    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()

@@ -215,6 +215,8 @@ class ExpertParallelMoE(nn.Module):
                         gate, up = linear(part, w13[slot]).chunk(2, dim=-1)
                         done[start : start + count] = linear(swiglu(gate, up, limit), w2[slot])
                         start += count
+            elif _padded_batch_gemms(sorted_rows):
+                done = _padded_expert_gemms(sorted_rows, counts, w13, w2, limit)
             else:
                 ends = counts.cumsum(0).to(torch.int32)
                 gate, up = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends).chunk(2, -1)
@@ -370,6 +372,32 @@ def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
         and rows.dtype == torch.float32
         and rows.shape[0] >= PER_SLOT_GEMM_ROWS * slots
     )
+
+
+def _padded_batch_gemms(rows: torch.Tensor) -> bool:
+    """bfloat16 and float16 on the CPU: torch's grouped GEMM runs one oneDNN call per group there
+    (~13 us each however few rows), slower than one batched GEMM over the used slots with their
+    rows padded to the fullest one's: 0.33 vs 0.54 ms for 32 rows over 32 slots, 0.40 vs 0.81 ms
+    for 128 (gate and up projection, bfloat16, one thread, caches cold)."""
+    return rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16)
+
+
+def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
+    """The experts of ``rows [N, H]`` (sorted by slot, ``counts [slots]`` each) as two batched
+    GEMMs over the slots that have rows, each slot's rows padded with zeros to the most any has
+    (a zero row stays zero through SwiGLU) -> ``[N, H]``."""
+    used = counts.nonzero().flatten()
+    per_slot = counts[used]
+    width = int(per_slot.max())
+    slot = torch.repeat_interleave(torch.arange(used.numel(), device=rows.device), per_slot)
+    first = torch.repeat_interleave(per_slot.cumsum(0) - per_slot, per_slot)
+    place = torch.arange(rows.shape[0], device=rows.device) - first
+    padded = rows.new_zeros(used.numel(), width, rows.shape[1])
+    padded[slot, place] = rows
+    if used.numel() < counts.numel():
+        w13, w2 = w13.index_select(0, used), w2.index_select(0, used)
+    gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))[slot, place]
 
 
 def _distinct(modules: list[Expert]) -> list[Expert]:
