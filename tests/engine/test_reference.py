@@ -69,6 +69,19 @@ def test_decode_attention_in_request_groups_equals_transformers(
     _check(outputs, reference, prompt_ids)
 
 
+def test_decode_contexts_padded_to_a_bucket_equal_transformers(
+    tiny_path, prompt_ids, reference, monkeypatch
+):
+    """A bfloat16 cache on the CPU pads decode contexts to a multiple of 64 tokens (oneDNN builds a
+    kernel per shape); padded, masked positions change no token (float32 here, so that the
+    comparison is exact; 5 tokens, so that every step pads)."""
+    from moeinfra.engine import attention
+
+    monkeypatch.setattr(attention, "_decode_length_bucket", lambda step: 5)
+    outputs = LLM(tiny_path).generate(prompt_ids, GREEDY, use_tqdm=False)
+    _check(outputs, reference, prompt_ids)
+
+
 def _check(outputs, reference, prompt_ids):
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
     for o, ref in zip(outputs, reference, strict=True):

@@ -260,16 +260,21 @@ def test_linear_packed_for_onednn_equals_f_linear_and_follows_weight_changes(dty
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 100])
-def test_bfloat16_experts_on_the_cpu_equal_the_reference(tokens):
-    """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded):
-    the reference MoE's output to bfloat16 rounding, whether some slots get no rows (1, 8 tokens)
-    or every one does, including replicated experts (20 slots for 16 experts)."""
+def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch):
+    """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded,
+    shapes rounded up): torch's grouped GEMM's output to bfloat16 rounding, whether some slots
+    get no rows (1, 8 tokens) or every one does, including replicated experts (20 slots for 16
+    experts). The same routing on both sides: a near-tie that bfloat16 breaks another way than
+    float32 would move a whole token."""
+    from moeinfra.moe import expert_parallel
+
     c = tiny()
-    moe = build_moe(c, seed=3)
-    x = torch.randn(tokens, c.hidden_size)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, c.hidden_size).bfloat16()
+    plan = rebalance(np.random.default_rng(1).random((1, 16)), 20, 4, 1, 1)
+    ep = ExpertParallelMoE(build_moe(c, seed=3), plan).to(torch.bfloat16)
     with torch.no_grad():
-        ref = moe(x)
-        plan = rebalance(np.random.default_rng(1).random((1, 16)), 20, 4, 1, 1)
-        ep = ExpertParallelMoE(moe, plan).to(torch.bfloat16)
-        got = ep(x.bfloat16()).float()
-    assert (got - ref).abs().max() <= 0.03 * ref.abs().max()
+        padded = ep(x).float()
+        monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda rows: False)
+        grouped = ep(x).float()
+    assert (padded - grouped).abs().max() <= 0.02 * grouped.abs().max()

@@ -382,19 +382,28 @@ def _padded_batch_gemms(rows: torch.Tensor) -> bool:
     return rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16)
 
 
+_SLOT_BUCKET = 8
+
+
 def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     """The experts of ``rows [N, H]`` (sorted by slot, ``counts [slots]`` each) as two batched
     GEMMs over the slots that have rows, each slot's rows padded with zeros to the most any has
     (a zero row stays zero through SwiGLU) -> ``[N, H]``."""
     used = counts.nonzero().flatten()
     per_slot = counts[used]
-    width = int(per_slot.max())
+    # shapes rounded up (more slots, of no rows, and more padding rows): oneDNN builds a kernel
+    # for every new shape (~0.4 ms), and the used slots and the fullest one's rows vary by step
+    width = 1 << (int(per_slot.max()) - 1).bit_length()
+    batch = min(-(-used.numel() // _SLOT_BUCKET) * _SLOT_BUCKET, counts.numel())
     slot = torch.repeat_interleave(torch.arange(used.numel(), device=rows.device), per_slot)
     first = torch.repeat_interleave(per_slot.cumsum(0) - per_slot, per_slot)
     place = torch.arange(rows.shape[0], device=rows.device) - first
-    padded = rows.new_zeros(used.numel(), width, rows.shape[1])
+    padded = rows.new_zeros(batch, width, rows.shape[1])
     padded[slot, place] = rows
     if used.numel() < counts.numel():
+        if batch > used.numel():  # slots without rows fill the batch: their output is unread
+            unused = (counts == 0).nonzero().flatten()[: batch - used.numel()]
+            used = torch.cat([used, unused])
         w13, w2 = w13.index_select(0, used), w2.index_select(0, used)
     gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
     return torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))[slot, place]
