@@ -11,7 +11,9 @@ from moeinfra.moe.gate import Gate
 
 # Below this many multiply-adds torch's own GEMM call is cheaper than oneDNN's set-up (~15 us).
 ONEDNN_MIN_MACS = 1 << 21
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
+)
 # The row count oneDNN lays a packed weight out for; measured fastest from 1 to 2,048 rows.
 _PACKED_FOR_ROWS = 8
 
