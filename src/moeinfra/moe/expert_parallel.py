@@ -394,7 +394,9 @@ def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     # shapes rounded up (more slots, of no rows, and more padding rows): oneDNN builds a kernel
     # for every new shape (~0.4 ms), and the used slots and the fullest one's rows vary by step
     width = 1 << (int(per_slot.max()) - 1).bit_length()
-    batch = min(-(-used.numel() // _SLOT_BUCKET) * _SLOT_BUCKET, counts.numel())
+    batch = used.numel()  # up to _SLOT_BUCKET slots: few shapes, no slot gathered for nothing
+    if batch > _SLOT_BUCKET:
+        batch = min(-(-batch // _SLOT_BUCKET) * _SLOT_BUCKET, counts.numel())
     slot = torch.repeat_interleave(torch.arange(used.numel(), device=rows.device), per_slot)
     first = torch.repeat_interleave(per_slot.cumsum(0) - per_slot, per_slot)
     place = torch.arange(rows.shape[0], device=rows.device) - first
