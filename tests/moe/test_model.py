@@ -1,5 +1,7 @@
 """Single-process model pieces: config presets, gate routing rule, MoE, MLA, decoder stages."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -254,6 +256,8 @@ def test_linear_packed_for_onednn_equals_f_linear_and_follows_weight_changes(dty
             got = layer(x)
             assert (got.float() - expected.float()).abs().max() <= tol
             layer.weight.copy_(torch.randn_like(layer.weight))  # e.g. a checkpoint loaded later
+        twin = copy.deepcopy(layer)  # as EP migration copies experts: packed anew
+        assert (twin(x) - layer(x)).abs().max() == 0
     with torch.enable_grad():  # training: plain F.linear, gradients flow
         layer(x.float().to(dtype)).sum().backward()
     assert layer.weight.grad is not None

@@ -63,6 +63,10 @@ class Linear(nn.Linear):
             )
         return F.linear(x, self.weight)
 
+    def __getstate__(self):
+        # a copy or a pickle packs anew: oneDNN's packed tensor has no storage to copy
+        return {**super().__getstate__(), "_packed": None}
+
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
