@@ -446,12 +446,15 @@ class V4AttentionLayer(nn.Module):
         for s in segments:
             starts.append(starts[-1] + s.length)
         decode = [i for i, s in enumerate(segments) if s.length == 1]
-        if len(decode) > 1:  # one token each: their attention as one batch
+        if len(decode) < 2:  # a lone decode token goes alone
+            decode = []
+        if decode:  # one token each: their attention as one batch
             at = torch.tensor([starts[i] for i in decode], device=x.device)
             batch = [segments[i] for i in decode]
             out[at] = self._decode(x[at], q[at], q_residual[at], batch, cache)
+        batched = set(decode)
         for i, s in enumerate(segments):
-            if len(decode) > 1 and s.length == 1:
+            if i in batched:
                 continue
             rows = slice(starts[i], starts[i + 1])
             pos = torch.arange(s.start, s.start + s.length, device=x.device)
@@ -473,7 +476,7 @@ class V4AttentionLayer(nn.Module):
         kept = keys[max(0, keys.shape[0] - (window - 1)) :]
         key_pos = torch.arange(first, end, device=x.device)
         visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
-        chosen = None
+        chosen = chosen_visible = None
         rows_from, rows = 0, []
         if self.compressor is not None:
             entries, entry_visible, rows_from, rows = self._compressed(
@@ -483,22 +486,31 @@ class V4AttentionLayer(nn.Module):
                 keys = torch.cat([keys, entries])
                 visible = torch.cat([visible, entry_visible], dim=1)
             else:  # each query's own top-k entries
-                chosen = (entries.float(), entry_visible)
-        scale = self.head_dim**-0.5
-        qf = q.float()
-        logits = [torch.einsum("lhd,kd->lhk", qf, keys.float()) * scale]
-        logits[0] = logits[0].masked_fill(~visible[:, None, :], float("-inf"))
+                chosen, chosen_visible = entries.float(), entry_visible
+        self.held[s.seq] = _Held(end, kept, rows_from, rows)
+        out = self._attend(q, keys, visible, chosen, chosen_visible)
+        return self.rope(out, pos, inverse=True)
+
+    def _attend(self, q, keys, visible, chosen=None, chosen_visible=None) -> torch.Tensor:
+        """Attention with the per-head sinks of the rotated queries ``q [L, heads, hd]`` over the
+        shared-KV ``keys`` — ``[K, hd]`` for every query or ``[L, K, hd]`` each query's own —
+        where ``visible [L, K]`` (None: all), and over each query's own ``chosen [L, E, hd]``
+        entries (float32) where ``chosen_visible [L, E]`` -> ``[L, heads, hd]`` in ``q``'s dtype."""
+        own = "kd" if keys.dim() == 2 else "lkd"
+        scale, qf, kf = self.head_dim**-0.5, q.float(), keys.float()
+        logits = [torch.einsum(f"lhd,{own}->lhk", qf, kf) * scale]
+        if visible is not None:
+            logits[0] = logits[0].masked_fill(~visible[:, None, :], float("-inf"))
         if chosen is not None:
-            picked = torch.einsum("lhd,lkd->lhk", qf, chosen[0]) * scale
-            logits.append(picked.masked_fill(~chosen[1][:, None, :], float("-inf")))
+            picked = torch.einsum("lhd,lkd->lhk", qf, chosen) * scale
+            logits.append(picked.masked_fill(~chosen_visible[:, None, :], float("-inf")))
         logits.append(self.attn_sink.float().view(1, -1, 1).expand(qf.shape[0], -1, 1))
         probs = torch.cat(logits, dim=-1).softmax(dim=-1)
-        n = keys.shape[0]
-        out = torch.einsum("lhk,kd->lhd", probs[..., :n], keys.float())
+        n = keys.shape[-2]
+        out = torch.einsum(f"lhk,{own}->lhd", probs[..., :n], kf)
         if chosen is not None:
-            out = out + torch.einsum("lhk,lkd->lhd", probs[..., n:-1], chosen[0])
-        self.held[s.seq] = _Held(end, kept, rows_from, rows)
-        return self.rope(out.to(q.dtype), pos, inverse=True)
+            out = out + torch.einsum("lhk,lkd->lhd", probs[..., n:-1], chosen)
+        return out.to(q.dtype)
 
     def _decode(self, x, q, q_residual, segs: list[Segment], cache: LayerCache) -> torch.Tensor:
         """:meth:`_segment` for requests of one new token each, as one batch: the window keys of
@@ -535,19 +547,8 @@ class V4AttentionLayer(nn.Module):
                 self._write_checkpoints(s, mine, s.start - lengths[i], slots[i], cache)
             last = mine[max(0, mine.shape[0] - kept) :]
             self.held[s.seq] = _Held(s.start + 1, last, rows_from[i], rows[i])
-        scale, qf = self.head_dim**-0.5, q.float()
-        logits = [torch.einsum("bhd,bkd->bhk", qf, keys.float()) * scale]
-        if valid is not None:
-            logits[0] = logits[0].masked_fill(~valid[:, None, :], float("-inf"))
-        if entries is not None:
-            picked = torch.einsum("bhd,bkd->bhk", qf, entries) * scale
-            logits.append(picked.masked_fill(~entry_valid[:, None, :], float("-inf")))
-        logits.append(self.attn_sink.float().view(1, -1, 1).expand(b, -1, 1))
-        probs = torch.cat(logits, dim=-1).softmax(dim=-1)
-        out = torch.einsum("bhk,bkd->bhd", probs[..., :window], keys.float())
-        if entries is not None:
-            out = out + torch.einsum("bhk,bkd->bhd", probs[..., window:-1], entries)
-        return self.rope(out.to(q.dtype), pos, inverse=True)
+        out = self._attend(q, keys, valid, entries, entry_valid)
+        return self.rope(out, pos, inverse=True)
 
     def _decode_compressed(self, x, q_residual, pos, segs, held, slots, cache: LayerCache):
         """:meth:`_compressed` for :meth:`_decode`'s requests: each request's windows compressed
