@@ -1,5 +1,6 @@
 import pytest
 
+from moeinfra.serving.perfmodel import PerfModel
 from moeinfra.serving.scenario import build_scenario
 
 
@@ -14,6 +15,21 @@ def hour_result():
     """The first simulated hour of the day at 1:200 (a reduced-scale run for most tests)."""
     scenario = build_scenario(hours=1.0, scale=200.0)
     return scenario, scenario.run()
+
+
+@pytest.fixture
+def index_logits_work(monkeypatch):
+    """``(FLOPs, bytes)`` of every indexer-logits kernel the performance model costs from here
+    on, in call order (:meth:`PerfModel._index_logits_work`, recorded as it answers)."""
+    seen = []
+    work = PerfModel._index_logits_work
+
+    def spy(self, *args):
+        seen.append(work(self, *args))
+        return seen[-1]
+
+    monkeypatch.setattr(PerfModel, "_index_logits_work", spy)
+    return seen
 
 
 def pytest_collection_modifyitems(items):

@@ -111,19 +111,12 @@ def test_sparse_decode_attends_to_index_topk_keys_and_indexes_them_all(units):
     assert decode.decode_step_s(64.0, 131_072.0) == pytest.approx(rows[-1].step_s, rel=1e-9)
 
 
-def test_the_prefill_indexer_reads_each_index_key_once_per_micro_batch(monkeypatch):
+def test_the_prefill_indexer_reads_each_index_key_once_per_micro_batch(index_logits_work):
     """A prefill micro-batch's logits read its index keys once, as DeepSeek-V4's do (one helper):
     an 8,192-token micro-batch ending a 131,072-token prompt (mean context 126,976) reads the
     131,072 keys of 132 bytes (FP8) once and writes a float32 logit per query and key."""
     v32 = PerfModel(deepseek_prefill_unit(), H800, model("deepseek-v3.2", "fp8"))
-    seen = []
-    work = PerfModel._index_logits_work
-
-    def spy(self, *args):
-        seen.append(work(self, *args))
-        return seen[-1]
-
-    monkeypatch.setattr(PerfModel, "_index_logits_work", spy)
+    seen = index_logits_work
     n, context = 8192, 131_072 - 4096
     nb = 2 * n  # two micro-batches of n tokens
     v32.prefill_breakdown(tokens_per_gpu=nb, attn_keys_per_token=context)

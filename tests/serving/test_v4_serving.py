@@ -162,7 +162,7 @@ def prefill_unit(name: str, dtype: str = "fp8", nodes: int = 8, **kw) -> PerfMod
 
 
 def test_a_prefill_micro_batch_reads_the_cache_once_and_a_decode_query_its_requests(
-    monkeypatch,
+    index_logits_work,
 ):
     """A prefill chunk's queries score against the same index keys (the kernels take a block of
     keys for a tile of queries; vLLM gathers a chunk's keys once): the indexer's logits read the
@@ -176,14 +176,7 @@ def test_a_prefill_micro_batch_reads_the_cache_once_and_a_decode_query_its_reque
     # prompts whole in the micro-batch: its tokens and their cache hits
     assert float(p.prefill_key_tokens(n, n / 2)) == n
     assert float(p.prefill_key_tokens(n, 1000 + n / 2, cached_per_token=1000 / n)) == n + 1000
-    seen = []
-    work = PerfModel._index_logits_work
-
-    def spy(self, *args):
-        seen.append(work(self, *args))
-        return seen[-1]
-
-    monkeypatch.setattr(PerfModel, "_index_logits_work", spy)
+    seen = index_logits_work
     p._v4_layer(CSA, n, context)
     p._v4_layer(CSA, 16, context, requests=8)  # decode: 8 requests, 2 queries each
     flops, prefill_bytes = seen[0]

@@ -684,12 +684,12 @@ class PerfModel:
             factor, compute = eff.attention_time, eff.sparse_prefill_compute
             if key_tokens is None:
                 key_tokens = self.prefill_key_tokens(tokens, context)
-            entries_read = key_tokens / ratio if ratio else 0.0 * key_tokens
+            # compressed entries (and CSA's index keys) of the earlier tokens, each read once
+            index_keys_read = entries_read = key_tokens / ratio if ratio else 0.0 * key_tokens
             if kind == CSA:  # at most what the queries choose
                 entries_read = np.minimum(entries_read, tokens * chosen)
             window_read = np.minimum(key_tokens, tokens + a.sliding_window)
             read = entry * (window_read + entries_read)
-            index_keys_read = key_tokens / ratio if ratio else 0.0 * key_tokens
         else:
             factor, compute = eff.decode_attention_time, eff.sparse_decode_compute
             once = window + (0.0 if kind == CSA else entries)
