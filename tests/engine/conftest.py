@@ -120,3 +120,28 @@ def one_rank_model(path):
     )
     model = arch.load(CheckpointReader(path), config, plan, Communicator(), torch.float32)
     return arch, config, model
+
+
+def check_warm_up_leaves_no_trace(path, prompts, reference, **config) -> None:
+    """:meth:`EngineCore.warm_up` then greedy requests: the warm-up ran a prompt, left the engine
+    as it found it (blocks, prefix cache, counters, expert loads, per-sequence state) and the
+    requests still continue as ``reference`` does."""
+    from moeinfra.engine import EngineConfig, EngineCore, SamplingParams
+    from moeinfra.engine.worker import run_steps
+
+    core = EngineCore(path, EngineConfig(**config))
+    free = core.blocks.num_free_blocks
+    assert core.warm_up() > 1
+    assert core.blocks.num_free_blocks == free and core.blocks.num_cached_blocks == 0
+    assert core.blocks.queried_tokens == 0 and core.steps == 0 and not core.stats
+    assert all(int(layer.load_counts.sum()) == 0 for layer in core.model.moe)
+    # DeepSeek-V4's attention keeps per-sequence state outside the cache
+    assert not any(getattr(module, "held", None) for module in core.model.modules())
+    params = SamplingParams(temperature=0, max_tokens=len(reference[0]), ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(str(i), ids, params)
+    tokens = {}
+    for outputs in run_steps(core):
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [tokens[str(i)] for i in range(len(prompts))] == reference

@@ -16,7 +16,14 @@ from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.tiny import init_tiny
 from moeinfra.moe.mla import Segment
 
-from .conftest import PROMPTS, check_greedy, edit_config, hf_greedy, one_rank_model
+from .conftest import (
+    PROMPTS,
+    check_greedy,
+    check_warm_up_leaves_no_trace,
+    edit_config,
+    hf_greedy,
+    one_rank_model,
+)
 
 MAX_TOKENS = 16
 # longer than the window and several compression windows; pairs share a 2-block prefix
@@ -196,6 +203,12 @@ def test_one_rank_greedy_equals_transformers(v4_path, v4_prompts, v4_reference, 
 
 
 @pytest.mark.timeout(300)
+def test_a_warm_up_leaves_no_trace(v4_path, v4_prompts, v4_reference):
+    """The warm-up's prompt crosses the sliding window and compression windows; what it held
+    outside the cache is released with its blocks."""
+    check_warm_up_leaves_no_trace(v4_path, v4_prompts, v4_reference, max_num_batched_tokens=100)
+
+
 def test_prompts_sharing_a_block_then_parting_resume_from_their_own_blocks(
     v4_path, hf_v4, v4_prompts
 ):

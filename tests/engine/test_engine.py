@@ -15,6 +15,8 @@ from moeinfra.engine.registry import architecture
 from moeinfra.engine.tiny import tiny_config
 from moeinfra.engine.worker import run_steps
 
+from .conftest import check_warm_up_leaves_no_trace
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -249,3 +251,7 @@ def test_a_stream_left_early_aborts_its_requests_and_does_not_leak_into_the_next
     assert not llm._core.requests and llm._core.blocks.num_used_blocks == 0
     outputs = llm.generate(prompt_ids[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [r[:8] for r in reference[:2]]
+
+
+def test_a_warm_up_leaves_no_trace(tiny_path, prompt_ids, reference):
+    check_warm_up_leaves_no_trace(tiny_path, prompt_ids, reference, block_size=4)

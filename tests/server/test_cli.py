@@ -26,7 +26,9 @@ SPANNING = ["--ranks", "4", "--nproc-per-node", "2"]  # a unit over two hosts
         ([*DECODE_UNIT, "--node-rank", "1"], "--node-rank=1"),
         ([*DECODE_UNIT, *SPANNING, "--node-rank", "2"], "--node-rank=2"),
         ([*DECODE_UNIT, *SPANNING, "--node-rank", "1"], "--master-addr"),
+        ([*DECODE_UNIT, "--cpu-threads", "0"], "--cpu-threads=0"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
+        (["serve", "up", "--cpu-threads", "0"], "--cpu-threads=0"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
         (["serve", "up", "--unit-timeout", "500ms"], "--unit-timeout=0.5"),
         (["serve", "up", "--drain-timeout", "-1s"], "--drain-timeout=-1.0"),
@@ -75,3 +77,26 @@ def test_default_layout_gives_each_rank_a_core_or_falls_back_to_one_colocated_ra
     options = launch.ServeOptions(**layout)
     assert (options.prefill_units, options.decode_units, options.colocated_units) == (0, 0, 1)
     assert options.colocated_ranks == 1
+
+
+def test_ranks_share_the_hosts_cores_unless_omp_num_threads_says(monkeypatch, tmp_path):
+    """Each rank's CPU threads: OMP_NUM_THREADS when set, else the usable cores shared by the
+    ranks ``serve up`` may run on this host (the autoscaler's ceiling included); the count
+    reaches every unit's command line."""
+    from moeinfra.server import unit
+    from moeinfra.server.autoscale import AutoscalePolicy
+    from moeinfra.server.launch import ServeOptions, local_ranks, unit_command
+
+    monkeypatch.setattr(unit.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert unit.threads_per_rank(4) == 4 and unit.threads_per_rank(1) == 16
+    assert unit.threads_per_rank(32) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert unit.threads_per_rank(4) == 3
+    assert local_ranks(ServeOptions()) == 4  # one prefill and one decode unit of 2 ranks
+    colocated = ServeOptions(prefill_units=0, decode_units=0, colocated_units=1, colocated_ranks=1)
+    assert local_ranks(colocated) == 1
+    scaling = ServeOptions(autoscale=AutoscalePolicy((1, 3), (1, 2), 10.0, 0.7))
+    assert local_ranks(scaling) == 3 * 2 + 2 * 2
+    cmd = unit_command("decode", 2, "tcp://127.0.0.1:1", ServeOptions(cpu_threads=5), tmp_path)
+    assert cmd[cmd.index("--cpu-threads") + 1] == "5"

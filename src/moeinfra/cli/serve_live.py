@@ -96,6 +96,12 @@ _NOOP = typer.Option(
     help="Benchmarks only: the model's forward returns zeros (the serving stack's own ceiling; "
     "the output is meaningless).",
 )
+_THREADS = typer.Option(
+    None,
+    "--cpu-threads",
+    help="CPU threads per engine rank (default: OMP_NUM_THREADS, else this host's cores shared by "
+    "its ranks).",
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -172,6 +178,7 @@ def register(app: typer.Typer) -> None:
         speculative_tokens: int = _SPECULATIVE,
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
+        cpu_threads: int | None = _THREADS,
         autoscale: bool = typer.Option(
             False,
             "--autoscale",
@@ -262,6 +269,7 @@ def register(app: typer.Typer) -> None:
             unit_timeout_s=unit_timeout_s,
             comm_delay_s=comm_delay_s,
             noop_model=noop_model,
+            cpu_threads=cpu_threads,
             autoscale=policy,
         )
         code = serve(options, announce=lambda line: print(line, file=sys.stderr, flush=True))
@@ -294,6 +302,7 @@ def register(app: typer.Typer) -> None:
         speculative_tokens: int = _SPECULATIVE,
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
+        cpu_threads: int | None = _THREADS,
         nproc_per_node: int | None = typer.Option(
             None,
             "--nproc-per-node",
@@ -323,6 +332,8 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--role={role!r} must be one of {', '.join(ROLES)}")
         if ranks < 1:
             raise InputError(f"--ranks={ranks} must be >= 1")
+        if cpu_threads is not None and cpu_threads < 1:
+            raise InputError(f"--cpu-threads={cpu_threads} must be >= 1")
         if not server.startswith("tcp://") or ":" not in server[6:]:
             raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
         here = ranks if nproc_per_node is None else nproc_per_node
@@ -357,6 +368,7 @@ def register(app: typer.Typer) -> None:
             first_rank=node_rank * here,
             local_ranks=here,
             rendezvous=rendezvous,
+            threads=cpu_threads,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
 

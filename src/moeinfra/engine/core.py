@@ -209,6 +209,48 @@ class EngineCore:
         )
         return mtp.to(self.device).eval()
 
+    @torch.no_grad()
+    def warm_up(self, seed: int = 0) -> int:
+        """Run the model once on a prompt of random tokens as long as a step's token budget (as
+        far as the cache and the context allow), then on one decode token after it, and forget
+        both (collective on the unit, like :meth:`step`). What a first forward pays once — the
+        weights packed for oneDNN, its kernels for the step's shapes, the allocator's first pages
+        — is then paid here, not by the first requests a server admits (vLLM's dummy run). No
+        request, statistic, expert load or prefix-cache entry is left behind. Returns the prompt
+        length run."""
+        bs = self.blocks.block_size
+        room = (self.blocks.num_free_blocks - 1) * bs
+        length = min(
+            self.config.max_num_batched_tokens, self.model_config.max_position_embeddings - 1, room
+        )
+        if length < 1:
+            return 0
+        seq_id = -1  # real requests number from 0
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(self.model_config.vocab_size, (length + 1,), generator=generator)
+        counters = (self.blocks.queried_tokens, self.blocks.hit_tokens)
+        self.blocks.allocate_prefix(seq_id, [0])  # one token: nothing of the cache is matched
+        try:
+            self.blocks.ensure_slots(seq_id, length + 1)
+            table = self.blocks.block_table(seq_id)
+            slots = {seq_id: StepCache.slots_of(table, bs, self.device)}
+            for start, count, prefill in ((0, length, True), (length, 1, False)):
+                segments = [Segment(seq_id, start, count)]
+                step_cache = StepCache(self.cache, slots)
+                hidden = self.model(
+                    ids[start : start + count].to(self.device),
+                    segments,
+                    step_cache,
+                    self.overlap_mode(prefill),
+                )
+                self.model.logits(hidden[-1:])
+        finally:
+            self.blocks.free(seq_id)
+            self.blocks.queried_tokens, self.blocks.hit_tokens = counters
+            if self.model_config.num_moe_layers:
+                take_step_loads(self.model.moe)  # the warm-up's routing is no load to balance
+        return length
+
     # ------------------------------------------------------------------ requests
     def add_request(
         self,

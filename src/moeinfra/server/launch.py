@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from moeinfra.engine.config import EngineConfig
@@ -87,6 +87,7 @@ class ServeOptions:
     comm_delay_s: float = 0.0
     autoscale: AutoscalePolicy | None = None
     noop_model: bool = False
+    cpu_threads: int | None = None  # per rank; None: this host's cores shared by its ranks
 
     def __post_init__(self) -> None:
         for name in ("prefill_units", "decode_units", "colocated_units"):
@@ -101,6 +102,8 @@ class ServeOptions:
             raise InputError(
                 f"--prefill-units={self.prefill_units} needs --decode-units >= 1 to hand off to"
             )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise InputError(f"--cpu-threads={self.cpu_threads} must be >= 1")
         if self.max_queue < 0:
             raise InputError(f"--max-queue={self.max_queue} must be >= 0")
         if not self.unit_timeout_s >= 1.0:  # ranks report every 0.25 s and after every step
@@ -142,6 +145,8 @@ def unit_command(
         cmd += ["--comm-delay", f"{float(options.comm_delay_s)!r}s"]
     if options.noop_model:
         cmd += ["--noop-model"]
+    if options.cpu_threads is not None:
+        cmd += ["--cpu-threads", str(options.cpu_threads)]
     defaults = EngineConfig()
     for f in fields(EngineConfig):
         value = getattr(options.engine, f.name)
@@ -186,6 +191,20 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def local_ranks(options: ServeOptions) -> int:
+    """Engine ranks ``serve up`` runs on this host at most: the units it starts (with
+    ``--autoscale``, as many as the policy may add)."""
+    count = {
+        "prefill": options.prefill_units,
+        "decode": options.decode_units,
+        "colocated": options.colocated_units,
+    }
+    if options.autoscale is not None:
+        for role in ("prefill", "decode"):
+            count[role] = max(count[role], options.autoscale.bounds(role)[1])
+    return sum(n * getattr(options, f"{role}_ranks") for role, n in count.items())
+
+
 def serve(options: ServeOptions, announce=print) -> int:
     """Run the server until SIGINT/SIGTERM; returns an exit code. ``announce(line)`` gets the
     ready line (with the real port) and the shutdown summary."""
@@ -199,8 +218,10 @@ def serve(options: ServeOptions, announce=print) -> int:
     from moeinfra.server.api import ServerLimits, create_app
     from moeinfra.server.metrics import ServerMetrics
     from moeinfra.server.router import Router
-    from moeinfra.server.unit import check_drafting, config_digest
+    from moeinfra.server.unit import check_drafting, config_digest, threads_per_rank
 
+    if options.cpu_threads is None:
+        options = replace(options, cpu_threads=threads_per_rank(local_ranks(options)))
     model_dir = Path(options.model) if options.model is not None else default_model()
     raw = read_config(model_dir)
     source = str(model_dir / "config.json")
