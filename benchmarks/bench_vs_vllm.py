@@ -25,7 +25,7 @@ batch whose 64 tokens equal moeinfra's.
 Served: ``vllm bench serve`` (the same client for every server) with 32 requests of 128 random
 prompt tokens and 64 output tokens sent at once, against ``vllm serve``, a colocated moeinfra unit
 of one rank (``serve up``'s default on fewer than 5 cores) and the disaggregated layout (one prefill
-and one decode unit of 2 ranks each), float32.
+and one decode unit of 2 ranks each), in each of ``--dtypes``.
 """
 
 from __future__ import annotations
@@ -170,13 +170,15 @@ def offline(args, paths, vllm_python) -> dict:
     return results
 
 
-def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path) -> dict:
+def served_once(
+    kind: str, path: Path, vllm_python: Path, port: int, tmp: Path, dtype: str = "float32"
+) -> dict:
     cli = tmp / "vllm_cli.py"
     cli.write_text(VLLM_CLI)
     name = "bench"
     if kind == "vllm":
         cmd = [str(vllm_python), str(cli), "serve", str(path), "--port", str(port), "--dtype",
-               "float32", "--max-model-len", "4096", "--served-model-name", name]  # fmt: skip
+               dtype, "--max-model-len", "4096", "--served-model-name", name]  # fmt: skip
         env = vllm_env("small")
     else:
         layout = (
@@ -187,7 +189,7 @@ def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path) 
                   "--decode-ranks", "2"]
         )  # fmt: skip
         cmd = [str(ROOT / ".venv" / "bin" / "moeinfra"), "serve", "up", "--model", str(path),
-               "--port", str(port), "--served-model-name", name, "--dtype", "float32", *layout]  # fmt: skip
+               "--port", str(port), "--served-model-name", name, "--dtype", dtype, *layout]  # fmt: skip
         env = dict(os.environ)
     log = open(tmp / f"server-{kind}.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -228,14 +230,17 @@ def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path) 
 
 
 def served(args, paths, vllm_python) -> dict:
+    """``results[dtype][kind] = [one dict per repetition]``."""
     tmp = BUILD / "bench-vs-vllm"
     kinds = ("vllm", "moeinfra-colocated", "moeinfra-disaggregated")
-    results: dict = {k: [] for k in kinds}
-    for rep in range(args.reps):
-        for kind in kinds[rep % 3 :] + kinds[: rep % 3]:
-            row = served_once(kind, paths["small"], vllm_python, 8300 + rep, tmp)
-            results[kind].append(row)
-            print(f"served rep {rep} {kind}: {row}", flush=True)
+    results: dict = {}
+    for dtype in args.dtypes:
+        rows = results[dtype] = {k: [] for k in kinds}
+        for rep in range(args.reps):
+            for kind in kinds[rep % 3 :] + kinds[: rep % 3]:
+                row = served_once(kind, paths["small"], vllm_python, 8300 + rep, tmp, dtype)
+                rows[kind].append(row)
+                print(f"served {dtype} rep {rep} {kind}: {row}", flush=True)
     return results
 
 
@@ -286,10 +291,9 @@ def summarise(results: dict) -> list[str]:
                 )
             agree = agreement(systems)
             lines.append(f"\nGreedy agreement with moeinfra at 8 requests (64 tokens): {agree}")
-    served_rows = results.get("served", {})
-    if served_rows:
+    for dtype, served_rows in results.get("served", {}).items():
         lines += [
-            "\nServed (`vllm bench serve`, 32 x 128 in / 64 out at once, float32, medians):\n",
+            f"\nServed (`vllm bench serve`, 32 x 128 in / 64 out at once, {dtype}, medians):\n",
             "| server | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | failed |",
             "|---|---:|---:|---:|---:|",
         ]
