@@ -263,6 +263,41 @@ def test_linear_packed_for_onednn_equals_f_linear_and_follows_weight_changes(dty
     assert layer.weight.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_equal_one_call_each_and_follow_weight_changes(dtype):
+    """Projections of one input as one oneDNN GEMM over their stacked weights: each output is
+    what its own Linear gives (to float32 rounding; bfloat16 outputs round alike up to one
+    unit), a changed weight is stacked anew, a deep copy stacks its own."""
+    from moeinfra.moe.layers import Linear, fused_linears
+
+    torch.manual_seed(0)
+    first, second = Linear(256, 8192).to(dtype), Linear(256, 320).to(dtype)
+    x = torch.randn(8, 256, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2**-7
+    with torch.no_grad():
+        for _ in range(2):
+            a, b = fused_linears(x, first, second)
+            assert a.shape == (8, 8192) and b.shape == (8, 320)
+            for got, layer in ((a, first), (b, second)):
+                expected = layer(x).float()
+                assert (got.float() - expected).abs().max() <= tol * expected.abs().max()
+            second.weight.copy_(torch.randn_like(second.weight))
+        twin_first, twin_second = copy.deepcopy(first), copy.deepcopy(second)
+        twin = fused_linears(x, twin_first, twin_second)
+        pairs = zip(twin, fused_linears(x, first, second), strict=True)
+        assert all((t - f).abs().max() == 0 for t, f in pairs)
+
+
+def test_bfloat16_experts_on_the_cpu_take_a_step_without_rows():
+    """A rank may get no routed row in a step (one request decoding on a unit of two ranks):
+    the bfloat16 path answers with no rows, as the others do."""
+    c = tiny()
+    ep = ExpertParallelMoE(build_moe(c, seed=3), rebalance(np.ones((1, 16)), 16, 4, 1, 1))
+    with torch.no_grad():
+        out = ep.to(torch.bfloat16)(torch.zeros(0, c.hidden_size, dtype=torch.bfloat16))
+    assert out.shape == (0, c.hidden_size)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 100])
 def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch):
     """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded,

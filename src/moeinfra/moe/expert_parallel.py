@@ -389,6 +389,8 @@ def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     """The experts of ``rows [N, H]`` (sorted by slot, ``counts [slots]`` each) as two batched
     GEMMs over the slots that have rows, each slot's rows padded with zeros to the most any has
     (a zero row stays zero through SwiGLU) -> ``[N, H]``."""
+    if rows.shape[0] == 0:  # a rank no token of the step was routed to
+        return torch.empty_like(rows)
     used = counts.nonzero().flatten()
     per_slot = counts[used]
     # shapes rounded up (more slots, of no rows, and more padding rows): oneDNN builds a kernel

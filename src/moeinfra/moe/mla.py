@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from moeinfra.moe.config import MoEConfig
-from moeinfra.moe.layers import Linear, RMSNorm
+from moeinfra.moe.layers import Linear, RMSNorm, fused_linears
 from moeinfra.moe.rope import (
     RotaryTable,
     cos_sin_scale,
@@ -124,10 +124,13 @@ class MLA(nn.Module):
         ``q_latent``: :meth:`q_latent` of ``x`` when the caller already has it."""
         c, n = self.config, x.shape[0]
         if q_latent is None:
-            q_latent = self.q_latent(x)
+            q_a, kv_a = fused_linears(x, self.wq_a, self.wkv_a)
+            q_latent = self.q_norm(q_a)
+        else:
+            kv_a = self.wkv_a(x)
         q = self.wq_b(q_latent).view(n, self.heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         # the shared key rides along as one more head: one rotation for both
         pe = self.rope(torch.cat([q_pe, k_pe[:, None]], dim=1), positions)
         return Latent(q_nope, pe[:, : self.heads], self.kv_norm(kv), pe[:, self.heads])
