@@ -298,6 +298,19 @@ def test_bfloat16_experts_on_the_cpu_take_a_step_without_rows():
     assert out.shape == (0, c.hidden_size)
 
 
+def test_bfloat16_experts_pad_decode_batches_not_prefill_ones():
+    """A decode step's few rows per slot go padded into two batched GEMMs; a prefill step's
+    (8,192 routed rows over 32 slots) would pad megabytes of zeros, so they go to the grouped
+    GEMM; float32 never pads."""
+    from moeinfra.moe.expert_parallel import _padded_batch_gemms
+
+    for rows, padded in ((32, True), (2048, True), (8192, False)):
+        counts = torch.bincount(torch.arange(rows) % 32, minlength=32)
+        x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+        assert _padded_batch_gemms(x, counts) is padded
+        assert not _padded_batch_gemms(x.float(), counts)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 100])
 def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch):
     """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded,
@@ -314,6 +327,6 @@ def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch)
     ep = ExpertParallelMoE(build_moe(c, seed=3), plan).to(torch.bfloat16)
     with torch.no_grad():
         padded = ep(x).float()
-        monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda rows: False)
+        monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda rows, counts: False)
         grouped = ep(x).float()
     assert (padded - grouped).abs().max() <= 0.02 * grouped.abs().max()
