@@ -166,7 +166,7 @@ class ExpertParallelMoE(nn.Module):
             send_splits = (
                 [order.numel()] if world == 1 else slot_counts.view(world, s).sum(1).tolist()
             )
-            rows = x[order // top_k]
+            rows = x.index_select(0, order // top_k)
         pending = self.comm.dispatch(rows, slot_counts, name)
         return Routed(order, weights, send_splits, pending, name)
 
@@ -205,7 +205,7 @@ class ExpertParallelMoE(nn.Module):
         if stacked is not None:
             w13, w2 = stacked
             limit = self.config.swiglu_limit
-            sorted_rows = rows if by_slot is None else rows[by_slot]
+            sorted_rows = rows if by_slot is None else rows.index_select(0, by_slot)
             if _per_slot_gemms(sorted_rows, s):
                 done = torch.empty_like(sorted_rows)
                 start = 0
@@ -224,7 +224,7 @@ class ExpertParallelMoE(nn.Module):
             if by_slot is None:
                 return done
             out = torch.empty_like(rows)
-            out[by_slot] = done
+            out.index_copy_(0, by_slot, done)
             return out
         if by_slot is None:
             by_slot = torch.arange(rows.shape[0], device=rows.device)
@@ -233,7 +233,7 @@ class ExpertParallelMoE(nn.Module):
         for slot, count in enumerate(counts.tolist()):
             if count:
                 idx = by_slot[start : start + count]
-                out[idx] = self.experts[slot](rows[idx])
+                out.index_copy_(0, idx, self.experts[slot](rows.index_select(0, idx)))
                 start += count
         return out
 
@@ -273,8 +273,11 @@ class ExpertParallelMoE(nn.Module):
         """Wait for the combine and sum each token's copies with its gate weights -> ``[T, H]``."""
         back, _ = pending.wait()
         num_tokens, top_k = routed.weights.shape
-        pairs = back.new_empty(num_tokens * top_k, back.shape[-1])
-        pairs[routed.order] = back
+        # each pair's row of ``back`` (sorted by slot): a gather, ~8x as fast as scattering
+        # ``back`` to ``pairs[order]`` on the CPU
+        where = torch.empty_like(routed.order)
+        where.scatter_(0, routed.order, torch.arange(where.numel(), device=where.device))
+        pairs = back.index_select(0, where)
         return combine_pairs(pairs.view(num_tokens, top_k, back.shape[-1]), routed.weights)
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -418,15 +421,17 @@ def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     slot = torch.repeat_interleave(torch.arange(used.numel(), device=rows.device), per_slot)
     first = torch.repeat_interleave(per_slot.cumsum(0) - per_slot, per_slot)
     place = torch.arange(rows.shape[0], device=rows.device) - first
-    padded = rows.new_zeros(batch, width, rows.shape[1])
-    padded[slot, place] = rows
+    at = slot * width + place  # each row's place in the padded batch, flattened
+    padded = rows.new_zeros(batch * width, rows.shape[1]).index_copy_(0, at, rows)
+    padded = padded.view(batch, width, rows.shape[1])
     if used.numel() < counts.numel():
         if batch > used.numel():  # slots without rows fill the batch: their output is unread
             unused = (counts == 0).nonzero().flatten()[: batch - used.numel()]
             used = torch.cat([used, unused])
         w13, w2 = w13.index_select(0, used), w2.index_select(0, used)
     gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))[slot, place]
+    out = torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))
+    return out.view(batch * width, -1).index_select(0, at)
 
 
 def _distinct(modules: list[Expert]) -> list[Expert]:
