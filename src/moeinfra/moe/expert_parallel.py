@@ -406,25 +406,29 @@ _SLOT_BUCKET = 8
 
 def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     """The experts of ``rows [N, H]`` (sorted by slot, ``counts [slots]`` each) as two batched
-    GEMMs over the slots that have rows, each slot's rows padded with zeros to the most any has
-    (a zero row stays zero through SwiGLU) -> ``[N, H]``."""
+    GEMMs over the slots, each slot's rows padded with zeros to the most any has (a zero row
+    stays zero through SwiGLU) -> ``[N, H]``. Only the slots that have rows are gathered while
+    they are at most half: copying a slot's weights costs about what its GEMM does (3 MB of
+    them for 24 of 32 slots of hidden 256 took 0.35 ms, the GEMMs 0.32 ms)."""
     if rows.shape[0] == 0:  # a rank no token of the step was routed to
         return torch.empty_like(rows)
+    slots = counts.numel()
     used = counts.nonzero().flatten()
-    per_slot = counts[used]
+    gather = 2 * used.numel() <= slots
+    per_slot = counts[used] if gather else counts
     # shapes rounded up (more slots, of no rows, and more padding rows): oneDNN builds a kernel
     # for every new shape (~0.4 ms), and the used slots and the fullest one's rows vary by step
     width = _padded_width(per_slot)
-    batch = used.numel()  # up to _SLOT_BUCKET slots: few shapes, no slot gathered for nothing
+    batch = per_slot.numel()  # up to _SLOT_BUCKET slots: few shapes, no slot gathered for nothing
     if batch > _SLOT_BUCKET:
-        batch = min(-(-batch // _SLOT_BUCKET) * _SLOT_BUCKET, counts.numel())
-    slot = torch.repeat_interleave(torch.arange(used.numel(), device=rows.device), per_slot)
+        batch = min(-(-batch // _SLOT_BUCKET) * _SLOT_BUCKET, slots)
+    slot = torch.repeat_interleave(torch.arange(per_slot.numel(), device=rows.device), per_slot)
     first = torch.repeat_interleave(per_slot.cumsum(0) - per_slot, per_slot)
     place = torch.arange(rows.shape[0], device=rows.device) - first
     at = slot * width + place  # each row's place in the padded batch, flattened
     padded = rows.new_zeros(batch * width, rows.shape[1]).index_copy_(0, at, rows)
     padded = padded.view(batch, width, rows.shape[1])
-    if used.numel() < counts.numel():
+    if gather and used.numel() < slots:
         if batch > used.numel():  # slots without rows fill the batch: their output is unread
             unused = (counts == 0).nonzero().flatten()[: batch - used.numel()]
             used = torch.cat([used, unused])
