@@ -301,14 +301,51 @@ def test_bfloat16_experts_on_the_cpu_take_a_step_without_rows():
 def test_bfloat16_experts_pad_decode_batches_not_prefill_ones():
     """A decode step's few rows per slot go padded into two batched GEMMs; a prefill step's
     (8,192 routed rows over 32 slots) would pad megabytes of zeros, so they go to the grouped
-    GEMM; float32 never pads."""
-    from moeinfra.moe.expert_parallel import _padded_batch_gemms
+    GEMM; float32 never pads. The padded size counts the slots actually batched: 64 rows over
+    256 slots of DeepSeek-V3's hidden size gather 64 slots (1.8 MB), not all 256."""
+    from moeinfra.moe.expert_parallel import _padded_batch_gemms, _padded_shape
 
     for rows, padded in ((32, True), (2048, True), (8192, False)):
         counts = torch.bincount(torch.arange(rows) % 32, minlength=32)
         x = torch.zeros(rows, 256, dtype=torch.bfloat16)
         assert _padded_batch_gemms(x, counts) is padded
         assert not _padded_batch_gemms(x.float(), counts)
+    counts = torch.bincount(torch.arange(64) % 63 * 4, minlength=256)  # one slot gets two rows
+    gathered, batch, width = _padded_shape(counts)
+    assert (batch, width) == (64, 2) and gathered[:63].tolist() == list(range(0, 252, 4))
+    assert _padded_batch_gemms(torch.zeros(64, 7168, dtype=torch.bfloat16), counts)
+    assert _padded_shape(torch.ones(32, dtype=torch.int64))[:2] == (None, 32)  # all: no gather
+
+
+def test_fused_projections_fall_back_when_one_cannot_join():
+    """A projection kept in FP8, or a plain torch Linear, runs on its own."""
+    from moeinfra.engine.fp8 import Fp8Linear
+    from moeinfra.moe.layers import Linear, fused_linears
+
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    first = Linear(128, 32).bfloat16()
+    fp8 = Fp8Linear(torch.randn(16, 128).to(torch.float8_e4m3fn), torch.ones(1, 1))
+    with torch.no_grad():
+        for second in (fp8, torch.nn.Linear(128, 16, bias=False).bfloat16()):
+            a, b = fused_linears(x, first, second)
+            assert (a - first(x)).abs().max() == 0 and (b - second(x)).abs().max() == 0
+
+
+def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
+    """The contiguous halves of ``wkv_b`` kept for CPU inference: rebuilt when the weight
+    changes, dropped by a deep copy and by a move or cast, never used with gradients."""
+    from moeinfra.moe.mla import MLA
+
+    mla = MLA(tiny())
+    with torch.no_grad():
+        w_uk, w_uv_t = mla.absorbed_weights()
+        assert w_uk.is_contiguous() and w_uv_t.is_contiguous()
+        mla.wkv_b.weight.mul_(2)
+        assert torch.equal(mla.absorbed_weights()[0], 2 * w_uk)
+        assert copy.deepcopy(mla).__dict__["_absorbed"] is None
+        mla.double()
+        assert mla._absorbed is None and mla.absorbed_weights()[0].dtype == torch.float64
+    assert mla.absorbed_weights()[0].requires_grad  # training: views of the parameter
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 100])

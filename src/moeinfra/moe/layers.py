@@ -85,8 +85,8 @@ def fused_linears(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]
     any changes), in place of one call each: oneDNN costs ~12 us a call however small the GEMM
     (bfloat16, 2 threads), the time of a whole ``[1, 256] x [256, 128]`` product."""
     first = linears[0]
-    if not _to_onednn(x, first.weight):
-        return tuple(linear(x) for linear in linears)
+    if not all(isinstance(m, Linear) and _to_onednn(x, m.weight) for m in linears):
+        return tuple(linear(x) for linear in linears)  # e.g. one of them kept in FP8
     key = tuple(_weight_key(linear.weight) for linear in linears)
     fused = first._fused
     if fused is None or fused[0] != key:

@@ -152,6 +152,13 @@ class MLA(nn.Module):
             return self._absorbed[1], self._absorbed[2]
         return self._split_absorbed(w)
 
+    def __getstate__(self):
+        return {**super().__getstate__(), "_absorbed": None}  # a copy builds its own
+
+    def _apply(self, fn, recurse=True):
+        self._absorbed = None  # moved or cast: the copies would be stale, and held in vain
+        return super()._apply(fn, recurse)
+
     def _split_absorbed(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         w = w.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)

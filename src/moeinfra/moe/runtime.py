@@ -177,7 +177,8 @@ class ExpertParallelDecoder(nn.Module):
             split = Split((rows, rows[:0]), (segments, []))
         else:
             split = split_micro_batches(segments, allow_split=overlap == "prefill")
-        mbs = [_MicroBatch(x.index_select(0, split.rows[m]), split.segments[m]) for m in range(2)]
+        rows = [r.to(x.device) for r in split.rows]  # a split's rows are built on the host
+        mbs = [_MicroBatch(x.index_select(0, rows[m]), split.segments[m]) for m in range(2)]
         rec = self.comm.recorder
         # One cache per layer, shared by the micro-batches: a split sequence's suffix reads its prefix.
         if caches is None:
@@ -213,7 +214,7 @@ class ExpertParallelDecoder(nn.Module):
             self._finish_layer(mb, ep_prev=moe[-1], label=f"OUT(mb{m})")
         out = torch.empty_like(x)
         for m in range(2):
-            out.index_copy_(0, split.rows[m], mbs[m].x)
+            out.index_copy_(0, rows[m], mbs[m].x)
         return out
 
     @staticmethod
