@@ -70,7 +70,7 @@ class Linear(nn.Linear):
 
     def _packed_weight(self) -> torch.Tensor:
         w = self.weight
-        key = _weight_key(w)
+        key = weight_key(w)
         if self._packed is None or self._packed[0] != key:
             packed = torch.ops.mkldnn._reorder_linear_weight(
                 w.detach().contiguous(), _PACKED_FOR_ROWS
@@ -87,7 +87,7 @@ def fused_linears(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]
     first = linears[0]
     if not all(isinstance(m, Linear) and _to_onednn(x, m.weight) for m in linears):
         return tuple(linear(x) for linear in linears)  # e.g. one of them kept in FP8
-    key = tuple(_weight_key(linear.weight) for linear in linears)
+    key = tuple(weight_key(linear.weight) for linear in linears)
     fused = first._fused
     if fused is None or fused[0] != key:
         stacked = torch.cat([linear.weight.detach() for linear in linears])
@@ -97,7 +97,9 @@ def fused_linears(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]
     return out.split([linear.out_features for linear in linears], dim=-1)
 
 
-def _weight_key(w: torch.Tensor) -> tuple:
+def weight_key(w: torch.Tensor) -> tuple:
+    """What a copy derived from ``w`` is kept under: it changes when ``w`` is replaced, written
+    to in place, cast or reshaped."""
     return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
 
 

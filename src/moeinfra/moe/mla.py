@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from moeinfra.moe.config import MoEConfig
-from moeinfra.moe.layers import Linear, RMSNorm, fused_linears
+from moeinfra.moe.layers import Linear, RMSNorm, fused_linears, weight_key
 from moeinfra.moe.rope import (
     RotaryTable,
     cos_sin_scale,
@@ -145,7 +145,7 @@ class MLA(nn.Module):
         latent width)."""
         w = self.wkv_b.weight
         if w.device.type == "cpu" and not torch.is_grad_enabled():
-            key = (w.data_ptr(), w._version, w.dtype)
+            key = weight_key(w)
             if self._absorbed is None or self._absorbed[0] != key:
                 w_uk, w_uv_t = self._split_absorbed(w.detach())
                 self._absorbed = (key, w_uk.contiguous(), w_uv_t.contiguous())
