@@ -4,6 +4,10 @@ The CUDA side of the same promises is in ``test_cuda.py`` (skipped without a GPU
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -93,3 +97,45 @@ def test_fp8_experts_migrate_live_between_ranks(fp8_path, prompt_ids):
     with LLM(fp8_path, ranks=2, fp8_weights="keep", timeout_s=180, **options) as llm:
         outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == ref
+
+
+_MALLOC_PROBE = """
+import ctypes, sys, torch
+from moeinfra.engine.device import place_rank
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = Info
+if sys.argv[1] == "cpu":
+    place_rank("cpu")
+tensor = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+mapped = mallinfo2().hblkhd
+del tensor
+print(mapped >> 20, mallinfo2().fordblks >> 20)
+"""
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+def test_a_cpu_rank_keeps_the_memory_its_tensors_free():
+    """glibc maps a 16 MB tensor on its own and unmaps it when freed (the next one lands on fresh
+    pages, a page fault per 4 KB); once a CPU rank is placed, it comes from the heap and its
+    memory stays there, free for the next tensor."""
+
+    def mapped_and_free_mb(placed: str) -> list[int]:
+        run = subprocess.run(
+            [sys.executable, "-c", _MALLOC_PROBE, placed],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return [int(mb) for mb in run.stdout.split()]
+
+    mapped, _ = mapped_and_free_mb("none")
+    assert mapped >= 16
+    mapped, free = mapped_and_free_mb("cpu")
+    assert mapped < 16 and free >= 16

@@ -9,6 +9,10 @@ the CPU.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
+
 import torch
 
 from moeinfra.errors import InputError
@@ -40,7 +44,33 @@ def place_rank(name: str, local_rank: int | None = None) -> torch.device:
     device = resolve_device(name, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     return device
+
+
+# glibc's mallopt parameters (malloc.h) and its ceiling on the mmap threshold on 64-bit hosts
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory a CPU rank frees for its next tensors (returns whether
+    it could: glibc only). By default glibc maps every allocation above its mmap threshold anew and
+    gives the top of its heap back after frees, so each engine step's activations of a few MB land
+    on fresh pages, one page fault per 4 KB: ``F.rms_norm`` of ``[2,048, 256]`` float32 rows took
+    1.2 ms instead of 0.09, a 2,048-token float32 prefill step of the benchmarks' small checkpoint
+    117 ms instead of 103 (2 threads). With fixed thresholds, tensors up to 32 MB come from the heap
+    and freed memory stays with the process: its resident memory stays at its largest step's, as a
+    serving engine's would. Process-wide, once."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
