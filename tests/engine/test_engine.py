@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moeinfra.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from moeinfra.engine import core as engine_core
 from moeinfra.engine.hf_config import parse_config, read_config
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.tiny import tiny_config
@@ -87,6 +88,29 @@ def test_seeded_sampling_is_reproducible_per_request_whatever_the_batch(tiny_pat
     assert (
         llm.generate([prompt_ids[4]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
     )
+
+
+def test_cpu_logits_sampled_in_parts_give_the_same_tokens(tiny_path, prompt_ids, monkeypatch):
+    """A CPU step samples its rows in parts of at most ``LOGITS_PART_BYTES`` of logits (two rows
+    here): greedy and seeded rows draw what one part would."""
+    llm = LLM(tiny_path)
+    params = [GREEDY, SamplingParams(temperature=1.0, top_k=50, max_tokens=8, seed=7)]
+    params = [params[i % 2] for i in range(len(prompt_ids))]
+    whole = llm.generate(prompt_ids, params, use_tqdm=False)
+    vocab = llm._core.model_config.vocab_size
+    monkeypatch.setattr(engine_core, "LOGITS_PART_BYTES", 2 * 4 * vocab)
+    parts = []
+    sample_part = EngineCore._sample_part
+    monkeypatch.setattr(
+        EngineCore,
+        "_sample_part",
+        lambda self, hidden, sampling: (
+            parts.append(len(sampling)) or sample_part(self, hidden, sampling)
+        ),
+    )
+    split = llm.generate(prompt_ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in whole]
+    assert max(parts) == 2 and len(parts) > 8
 
 
 def test_stop_strings_stop_tokens_and_max_tokens(tiny_path, prompt_ids):
