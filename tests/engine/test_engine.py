@@ -93,7 +93,7 @@ def test_seeded_sampling_is_reproducible_per_request_whatever_the_batch(tiny_pat
 def test_cpu_logits_sampled_in_parts_give_the_same_tokens(tiny_path, prompt_ids, monkeypatch):
     """A CPU step samples its rows in parts of at most ``LOGITS_PART_BYTES`` of logits (two rows
     here): greedy and seeded rows draw what one part would."""
-    llm = LLM(tiny_path)
+    llm = LLM(tiny_path, device="cpu", enable_prefix_caching=False)
     params = [GREEDY, SamplingParams(temperature=1.0, top_k=50, max_tokens=8, seed=7)]
     params = [params[i % 2] for i in range(len(prompt_ids))]
     whole = llm.generate(prompt_ids, params, use_tqdm=False)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeinfra.engine import LLM, SamplingParams
+from moeinfra.engine import core as engine_core
 from moeinfra.engine.core import EngineCore
 from moeinfra.engine.hf_config import CheckpointError
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -226,6 +227,35 @@ def test_seeded_sampling_with_drafts_is_reproducible(mtp_path, prompt_ids):
     ]
     assert runs[0] == runs[1]
     assert all(len(t) == MAX_TOKENS for t in runs[0])
+
+
+@pytest.mark.timeout(240)
+def test_cpu_logits_in_parts_with_drafts_give_the_same_tokens(mtp_path, prompt_ids, monkeypatch):
+    """Logits sampled in parts of two rows on the CPU: a request verifying three drafts (four
+    rows) gets a part of its own, and greedy and seeded requests emit what one part would."""
+    seeded = SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=3, ignore_eos=True
+    )
+    params = [GREEDY, seeded] * 2
+
+    def run() -> list[list[int]]:
+        llm = LLM(mtp_path, device="cpu", speculative_config=_spec(3))
+        outputs = llm.generate(prompt_ids[:4], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    whole = run()
+    vocab = json.loads((mtp_path / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(engine_core, "LOGITS_PART_BYTES", 2 * 4 * vocab)
+    parts = []
+    sample_part = EngineCore._sample_part
+
+    def recording(self, hidden, sampling):
+        parts.append([len(c.drafts) + 1 for c, _ in sampling])
+        return sample_part(self, hidden, sampling)
+
+    monkeypatch.setattr(EngineCore, "_sample_part", recording)
+    assert run() == whole
+    assert [4] in parts and all(sum(rows) <= 2 or len(rows) == 1 for rows in parts)
 
 
 @pytest.mark.parametrize(

@@ -111,11 +111,12 @@ class StepStats:
         return self.total_s - self.forward_s - self.sample_s
 
 
-# A CPU step's logits are computed and sampled in parts of at most this many bytes (float32):
-# glibc maps a tensor above 32 MB afresh every time (see ``keep_freed_memory``) — the 66 MB of 128
-# requests' logits made a decode step of the small benchmark checkpoint ~65 ms instead of ~50 —
-# and parts just under 32 MB fragment its heap (resident memory 2.4 GB against 1.8 GB with 16 MB
-# parts, after six 128-request runs; 8 MB parts: 1.7 GB, 12% slower).
+# A CPU step's logits (and MTP draft logits) are computed and sampled in parts of about this many
+# bytes (float32): glibc maps a tensor above 32 MB afresh every time (see ``keep_freed_memory``) —
+# the 66 MB of 128 requests' logits made a decode step of the small benchmark checkpoint ~65 ms
+# instead of ~50 — and parts just under 32 MB fragment its heap (resident memory 2.4 GB against
+# 1.8 GB with 16 MB parts, after six 128-request greedy runs; 8 MB parts: 1.7 GB, 12% slower).
+# Top-k / top-p sampling sorts a part: its int64 indices are twice its logits, still under 32 MB.
 LOGITS_PART_BYTES = 16 << 20
 
 
@@ -436,10 +437,11 @@ class EngineCore:
     def _sample(self, hidden: torch.Tensor, sampling: list) -> list[list[int]]:
         """New tokens of each sampled chunk ``(chunk, first row)``: one drawn token, or the
         accepted drafts and the target's token of a chunk with drafts (:func:`verify`). On the
-        CPU in parts of at most :data:`LOGITS_PART_BYTES` of float32 logits."""
+        CPU in parts of about :data:`LOGITS_PART_BYTES` of float32 logits (a chunk's rows stay
+        in one part, however many)."""
         if hidden.device.type != "cpu":
             return self._sample_part(hidden, sampling)
-        most = max(1, LOGITS_PART_BYTES // (4 * self.model_config.vocab_size))
+        most = self._logits_rows_per_part()
         out, part, rows = [], [], 0
         for c, first in sampling:
             if part and rows + len(c.drafts) + 1 > most:
@@ -449,7 +451,11 @@ class EngineCore:
             rows += len(c.drafts) + 1
         return out + self._sample_part(hidden, part) if part else out
 
+    def _logits_rows_per_part(self) -> int:
+        return max(1, LOGITS_PART_BYTES // (4 * self.model_config.vocab_size))
+
     def _sample_part(self, hidden: torch.Tensor, sampling: list) -> list[list[int]]:
+        """:meth:`_sample` of the chunks ``sampling``, their logits as one tensor."""
         rows, where = [], []
         for c, first in sampling:
             last = first + c.length - 1
@@ -507,7 +513,7 @@ class EngineCore:
         out = self.mtp(hidden[rows], ids, segments, step_cache.layer(mtp_layer))
         last = out[[row for _, row in drafting]]
         seqs = [seq for seq, _ in drafting]
-        tokens = self.mtp.logits(last).argmax(dim=-1)
+        tokens = self._draft_tokens(last)
         for seq, token in zip(seqs, tokens.tolist(), strict=True):
             seq.drafts = [token]
         for j in range(1, self.num_speculative_tokens):
@@ -521,11 +527,19 @@ class EngineCore:
             cache = StepCache(self.cache, {s.seq_id: self._slots(s) for s in seqs})
             segments = [Segment(s.seq_id, s.num_computed + j - 1, 1) for s in seqs]
             last = self.mtp(last, tokens, segments, cache.layer(mtp_layer))
-            tokens = self.mtp.logits(last).argmax(dim=-1)
+            tokens = self._draft_tokens(last)
             for seq, token in zip(seqs, tokens.tolist(), strict=True):
                 seq.drafts.append(token)
         for seq, _ in drafting:
             del seq.drafts[self._draft_room(seq) :]
+
+    def _draft_tokens(self, last: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's greedy draft after each of its outputs ``last [N, H]``; on the CPU in
+        parts of about :data:`LOGITS_PART_BYTES` of logits, as :meth:`_sample`."""
+        if last.device.type != "cpu":
+            return self.mtp.logits(last).argmax(dim=-1)
+        parts = last.split(self._logits_rows_per_part()) or (last,)
+        return torch.cat([self.mtp.logits(part).argmax(dim=-1) for part in parts])
 
     def _draft_room(self, seq: Sequence) -> int:
         """Drafts worth verifying: the next step emits them and one more token, within

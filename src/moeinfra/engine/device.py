@@ -68,10 +68,9 @@ def keep_freed_memory() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    return bool(
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    )
+    mapped = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    trimmed = libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    return bool(mapped and trimmed)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
