@@ -170,9 +170,7 @@ def offline(args, paths, vllm_python) -> dict:
     return results
 
 
-def served_once(
-    kind: str, path: Path, vllm_python: Path, port: int, tmp: Path, dtype: str = "float32"
-) -> dict:
+def served_once(kind: str, path: Path, vllm_python: Path, port: int, tmp: Path, dtype: str) -> dict:
     cli = tmp / "vllm_cli.py"
     cli.write_text(VLLM_CLI)
     name = "bench"
