@@ -342,18 +342,21 @@ def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
         assert w_uk.is_contiguous() and w_uv_t.is_contiguous()
         mla.wkv_b.weight.mul_(2)
         assert torch.equal(mla.absorbed_weights()[0], 2 * w_uk)
-        assert copy.deepcopy(mla).__dict__["_absorbed"] is None
+        assert copy.deepcopy(mla).__dict__["_absorbed"] == {}
+        w_uk64, w_uv64 = mla.absorbed_weights(torch.float64)  # another dtype: kept beside
+        assert torch.equal(w_uk64, (2 * w_uk).double()) and torch.equal(w_uv64, w_uv_t.double() * 2)
+        assert mla.absorbed_weights()[0].dtype == torch.float32
         mla.double()
-        assert mla._absorbed is None and mla.absorbed_weights()[0].dtype == torch.float64
+        assert mla._absorbed == {} and mla.absorbed_weights()[0].dtype == torch.float64
     assert mla.absorbed_weights()[0].requires_grad  # training: views of the parameter
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 100])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 100])
 def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch):
     """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded,
-    shapes rounded up): torch's grouped GEMM's output to bfloat16 rounding, whether some slots
-    get no rows (1, 8 tokens) or every one does, including replicated experts (20 slots for 16
-    experts). The same routing on both sides: a near-tie that bfloat16 breaks another way than
+    shapes rounded up; up to 16 rows, one batch entry per row): torch's grouped GEMM's output to
+    bfloat16 rounding, whether some slots get no rows (1, 3, 8 tokens) or every one does,
+    including replicated experts (20 slots for 16 experts). The same routing on both sides: a near-tie that bfloat16 breaks another way than
     float32 would move a whole token."""
     from moeinfra.moe import expert_parallel
 

@@ -198,9 +198,10 @@ def paged_mla_attention(
     cached.index_copy_(0, plan.write, torch.cat(written, dim=-1).to(cached.dtype))
     width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
     store = cached[:, :width] if sparse else cached
-    query = latent_query(mla, latent)
     if not plan.chunks and not plan.sparse and not plan.short:  # decode only: rows in order
+        query = latent_query(mla, latent, decode_dtype(store, plan.decode_slots))
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
+    query = latent_query(mla, latent)
     out = query.new_empty(plan.num_tokens, mla.wo.out_features)
     # rows are gathered and placed with index_select / index_copy_: indexing with a tensor
     # (``query[rows]``, ``out[rows] = ...``) runs ~10x as long on the CPU
@@ -229,6 +230,26 @@ def paged_mla_attention(
         out.index_copy_(0, rows, decode_attention(mla, queries, store, selected, None))
     return out
 
+
+# Cached values a bfloat16 (float16) decode step's attention reads at most to run in float32 on
+# the CPU: small batched matmuls in bfloat16 cost ~15-27 us of set-up each against ~4-9 in float32
+# (the four products of one request over 320 tokens of hidden 256's cache: 109 vs 75 us; 8
+# requests 134 vs 116), while from ~256K values on the float32 copies and products cost more
+# (8 requests over 1,024 tokens: 222 vs 272 us; DeepSeek-V3's latent width, 2 requests over 320
+# tokens: 181 vs 216). 2 threads, AMD EPYC.
+FLOAT32_DECODE_VALUES = 1 << 18
+
+
+def decode_dtype(store: torch.Tensor, slots: torch.Tensor) -> torch.dtype | None:
+    """The dtype a decode step's attention over ``store[slots]`` computes in: float32 for a small
+    one of a half-precision CPU cache (:data:`FLOAT32_DECODE_VALUES`), else None (the model's)."""
+    small = slots.numel() * store.shape[1] <= FLOAT32_DECODE_VALUES
+    if store.device.type == "cpu" and store.dtype in _HALF and small:
+        return torch.float32
+    return None
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 # Bytes of cache rows one decode group gathers at most: a group's context stays in the CPU's last
 # level cache between its gather and its two matmuls (a batch of 128 requests of 300 tokens gathers

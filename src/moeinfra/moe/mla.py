@@ -108,7 +108,8 @@ class MLA(nn.Module):
         self.wo = Linear(self.heads * c.v_head_dim, c.hidden_size)
         self.scale = softmax_scale(c.qk_head_dim, c.rope_scaling)
         self.rotary = _rotary_table(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
-        self._absorbed: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        # dtype -> (wkv_b's weight_key, w_uk, w_uv_t): see absorbed_weights
+        self._absorbed: dict[torch.dtype, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate the RoPE dims ``x [T, ..., qk_rope_head_dim]`` to ``positions [T]``."""
@@ -136,27 +137,31 @@ class MLA(nn.Module):
         pe = self.rope(torch.cat([q_pe, k_pe[:, None]], dim=1), positions)
         return Latent(q_nope, pe[:, : self.heads], self.kv_norm(kv), pe[:, self.heads])
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def absorbed_weights(
+        self, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``wkv_b`` split per head, each half as the right operand of a matmul: the key half
         ``[heads, qk_nope_head_dim, kv_lora_rank]`` and the value half transposed
-        ``[heads, kv_lora_rank, v_head_dim]``. At inference on the CPU they are kept as
-        contiguous copies (rebuilt when ``wkv_b`` changes): torch's CPU matmul copies a strided
-        operand on every call (1 MB and 0.23 ms per layer and step for 8 heads of DeepSeek-V3's
-        latent width)."""
+        ``[heads, kv_lora_rank, v_head_dim]``, in ``dtype`` (default: the weight's). At inference
+        on the CPU they are kept as contiguous copies per dtype (rebuilt when ``wkv_b`` changes):
+        torch's CPU matmul copies a strided operand on every call (1 MB and 0.23 ms per layer and
+        step for 8 heads of DeepSeek-V3's latent width)."""
         w = self.wkv_b.weight
+        dtype = dtype or w.dtype
         if w.device.type == "cpu" and not torch.is_grad_enabled():
             key = weight_key(w)
-            if self._absorbed is None or self._absorbed[0] != key:
-                w_uk, w_uv_t = self._split_absorbed(w.detach())
-                self._absorbed = (key, w_uk.contiguous(), w_uv_t.contiguous())
-            return self._absorbed[1], self._absorbed[2]
-        return self._split_absorbed(w)
+            kept = self._absorbed.get(dtype)
+            if kept is None or kept[0] != key:
+                w_uk, w_uv_t = self._split_absorbed(w.detach().to(dtype))
+                kept = self._absorbed[dtype] = (key, w_uk.contiguous(), w_uv_t.contiguous())
+            return kept[1], kept[2]
+        return self._split_absorbed(w.to(dtype))
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_absorbed": None}  # a copy builds its own
+        return {**super().__getstate__(), "_absorbed": {}}  # a copy builds its own
 
     def _apply(self, fn, recurse=True):
-        self._absorbed = None  # moved or cast: the copies would be stale, and held in vain
+        self._absorbed = {}  # moved or cast: the copies would be stale, and held in vain
         return super()._apply(fn, recurse)
 
     def _split_absorbed(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,12 +213,14 @@ class MLA(nn.Module):
         return self.attend(self.project(x, positions_of(segments, x.device)), segments, KVCache())
 
 
-def latent_query(mla: MLA, latent: Latent) -> torch.Tensor:
+def latent_query(mla: MLA, latent: Latent, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[T, heads, kv_lora_rank + qk_rope_head_dim]``: each head's query in the cache's space —
-    ``q_nope W_uk`` (``wkv_b``'s key half folded in) beside the rotated ``q_pe``."""
-    w_uk, _ = mla.absorbed_weights()
-    q_lat = torch.matmul(latent.q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-    return torch.cat([q_lat, latent.q_pe], dim=-1)
+    ``q_nope W_uk`` (``wkv_b``'s key half folded in) beside the rotated ``q_pe`` — in ``dtype``
+    (default: the latent's)."""
+    dtype = dtype or latent.q_nope.dtype
+    w_uk, _ = mla.absorbed_weights(dtype)
+    q_lat = torch.matmul(latent.q_nope.to(dtype).transpose(0, 1), w_uk).transpose(0, 1)
+    return torch.cat([q_lat, latent.q_pe.to(dtype)], dim=-1)
 
 
 def latent_attention(
@@ -225,7 +232,8 @@ def latent_attention(
     ``ctx [S, L, kv_lora_rank + qk_rope_head_dim]``: each group's cached entries (the normalised
     latent ``c_kv`` then the rotated ``k_pe``; its own tokens included); ``mask [S, Q, L]`` is True
     where a query may attend (None: everywhere). Scores are ``q_nope W_uk c_kv + q_pe k_pe`` times
-    the softmax scale; the output is ``wo(softmax @ c_kv W_uv)``.
+    the softmax scale; the output is ``wo(softmax @ c_kv W_uv)``. The products run in the
+    query's dtype, ``wo`` in the model's (``wkv_b``'s).
     """
     groups, length = ctx.shape[:2]
     heads, rank = query.shape[1], mla.config.kv_lora_rank
@@ -237,9 +245,9 @@ def latent_attention(
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     probs = scores.softmax(dim=-1).view(groups, per_group * heads, length)
     out_lat = torch.matmul(probs, ctx[..., :rank]).view(groups * per_group, heads, rank)
-    _, w_uv_t = mla.absorbed_weights()
+    _, w_uv_t = mla.absorbed_weights(query.dtype)
     out = torch.matmul(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
-    return mla.wo(out.flatten(1)).view(groups, per_group, -1)
+    return mla.wo(out.flatten(1).to(mla.wkv_b.weight.dtype)).view(groups, per_group, -1)
 
 
 @functools.cache
