@@ -298,18 +298,19 @@ def test_bfloat16_experts_on_the_cpu_take_a_step_without_rows():
     assert out.shape == (0, c.hidden_size)
 
 
-def test_bfloat16_experts_pad_decode_batches_not_prefill_ones():
+def test_cpu_experts_pad_decode_batches_not_prefill_ones():
     """A decode step's few rows per slot go padded into two batched GEMMs; a prefill step's
     (8,192 routed rows over 32 slots) would pad megabytes of zeros, so they go to the grouped
-    GEMM; float32 never pads. The padded size counts the slots actually batched: 64 rows over
-    256 slots of DeepSeek-V3's hidden size gather 64 slots (1.8 MB), not all 256."""
+    GEMM; float32's rows, twice as large, reach that size at half as many (4,096). The padded
+    size counts the slots actually batched: 64 rows over 256 slots of DeepSeek-V3's hidden size
+    gather 64 slots (1.8 MB), not all 256."""
     from moeinfra.moe.expert_parallel import _padded_batch_gemms, _padded_shape
 
-    for rows, padded in ((32, True), (2048, True), (8192, False)):
+    for rows, padded in ((32, True), (2048, True), (4096, True), (8192, False)):
         counts = torch.bincount(torch.arange(rows) % 32, minlength=32)
         x = torch.zeros(rows, 256, dtype=torch.bfloat16)
         assert _padded_batch_gemms(x, counts) is padded
-        assert not _padded_batch_gemms(x.float(), counts)
+        assert _padded_batch_gemms(x.float(), counts) is (padded and rows < 4096)
     counts = torch.bincount(torch.arange(64) % 63 * 4, minlength=256)  # one slot gets two rows
     gathered, batch, width = _padded_shape(counts)
     assert (batch, width) == (64, 2) and gathered[:63].tolist() == list(range(0, 252, 4))
@@ -351,22 +352,25 @@ def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
     assert mla.absorbed_weights()[0].requires_grad  # training: views of the parameter
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 100])
-def test_bfloat16_experts_on_the_cpu_equal_the_grouped_gemm(tokens, monkeypatch):
-    """bfloat16 on the CPU runs the experts as batched GEMMs over the used slots (rows padded,
-    shapes rounded up; up to 16 rows, one batch entry per row): torch's grouped GEMM's output to
-    bfloat16 rounding, whether some slots get no rows (1, 3, 8 tokens) or every one does,
-    including replicated experts (20 slots for 16 experts). The same routing on both sides: a near-tie that bfloat16 breaks another way than
-    float32 would move a whole token."""
+def test_cpu_experts_equal_the_grouped_gemm(tokens, dtype, monkeypatch):
+    """On the CPU the experts run as batched GEMMs over the used slots (rows padded, shapes
+    rounded up; up to 16 rows, one batch entry per row): torch's grouped GEMM's output to
+    bfloat16 rounding (float32: to float32's), whether some slots get no rows (1, 3, 8 tokens)
+    or every one does, including replicated experts (20 slots for 16 experts). The same routing
+    on both sides: a near-tie that bfloat16 breaks another way than float32 would move a whole
+    token."""
     from moeinfra.moe import expert_parallel
 
     c = tiny()
     torch.manual_seed(tokens)
-    x = torch.randn(tokens, c.hidden_size).bfloat16()
+    x = torch.randn(tokens, c.hidden_size).to(dtype)
     plan = rebalance(np.random.default_rng(1).random((1, 16)), 20, 4, 1, 1)
-    ep = ExpertParallelMoE(build_moe(c, seed=3), plan).to(torch.bfloat16)
+    ep = ExpertParallelMoE(build_moe(c, seed=3), plan).to(dtype)
     with torch.no_grad():
         padded = ep(x).float()
         monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda rows, counts: False)
         grouped = ep(x).float()
-    assert (padded - grouped).abs().max() <= 0.02 * grouped.abs().max()
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
+    assert (padded - grouped).abs().max() <= tolerance * grouped.abs().max()

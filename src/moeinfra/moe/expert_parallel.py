@@ -381,14 +381,17 @@ PADDED_EXPERT_BYTES = 4 << 20
 
 
 def _padded_batch_gemms(rows: torch.Tensor, counts: torch.Tensor) -> bool:
-    """bfloat16 and float16 on the CPU: torch's grouped GEMM runs one oneDNN call per group there
-    (~13 us each however few rows), slower than one batched GEMM over the used slots with their
-    rows padded to the fullest one's: 0.33 vs 0.54 ms for 32 rows over 32 slots, 0.40 vs 0.81 ms
-    for 128 (gate and up projection, bfloat16, one thread, caches cold). Not once the padded rows
-    reach :data:`PADDED_EXPERT_BYTES` (a prefill step): zeros written and multiplied for nothing,
-    out of the cache — 13.8 vs 4.0 ms for 8,192 rows over 32 slots of hidden 256, 14.6 vs 8.1 ms
-    for 1,024 rows of hidden 1,024 (2 threads). Always up to :data:`PER_ROW_EXPERT_ROWS` rows."""
-    if rows.device.type != "cpu" or rows.dtype not in (torch.bfloat16, torch.float16):
+    """On the CPU torch's grouped GEMM runs one call per group (bfloat16: one oneDNN call, ~13 us
+    however few rows; float32: a loop over every group, used or not), slower than one batched GEMM
+    over the used slots with their rows padded to the fullest one's: 0.33 vs 0.54 ms for 32 rows
+    over 32 slots, 0.40 vs 0.81 ms for 128 (gate and up projection, bfloat16, one thread, caches
+    cold); a float32 decode step of 8 requests of the 32-expert benchmark checkpoint ~10.3 vs
+    ~10.8 ms, of 32 requests ~18.6 vs ~19.2 (2 threads). Not once the padded rows reach
+    :data:`PADDED_EXPERT_BYTES` (a prefill step): zeros written and multiplied for nothing, out
+    of the cache — 13.8 vs 4.0 ms for 8,192 rows over 32 slots of hidden 256, 14.6 vs 8.1 ms for
+    1,024 rows of hidden 1,024 (bfloat16, 2 threads). Always up to :data:`PER_ROW_EXPERT_ROWS`
+    rows."""
+    if rows.device.type != "cpu":
         return False
     if rows.shape[0] <= PER_ROW_EXPERT_ROWS:
         return True
@@ -423,7 +426,8 @@ _SLOT_BUCKET = 8
 # Rows up to which the padded expert GEMMs run one row per batch entry, each with its own slot's
 # weights gathered, instead of the padded layout's bookkeeping (two repeat_interleaves, the zeroed
 # batch, two row moves): 72 vs 106 us for 4 rows, 156 vs 197 us for 16 (14 slots), 257 vs 191 us
-# for 32 (19 slots); hidden 256, bfloat16, 2 threads.
+# for 32 (19 slots); hidden 256, bfloat16, 2 threads. In float32 a one-request decode step of the
+# benchmark checkpoint ~6.5 ms against ~7 with torch's grouped GEMM.
 PER_ROW_EXPERT_ROWS = 16
 
 
