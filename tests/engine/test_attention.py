@@ -4,40 +4,43 @@ from __future__ import annotations
 
 import torch
 
-from moeinfra.engine import attention
+from moeinfra.engine import LLM, SamplingParams, attention
 from moeinfra.engine.attention import decode_attention, decode_dtype
 from moeinfra.moe.config import tiny
 from moeinfra.moe.mla import MLA, Latent, latent_query
 
 
+def _latent(c, rows: int) -> Latent:
+    heads = c.num_attention_heads
+    return Latent(
+        torch.randn(rows, heads, c.qk_nope_head_dim).bfloat16(),
+        torch.randn(rows, heads, c.qk_rope_head_dim).bfloat16(),
+        torch.randn(rows, c.kv_lora_rank).bfloat16(),
+        torch.randn(rows, c.qk_rope_head_dim).bfloat16(),
+    )
+
+
 def test_small_half_precision_decode_attends_in_float32():
-    """A bfloat16 CPU cache's decode step attends in float32 while its gathered context is small
-    (small bfloat16 matmuls cost several times their float32 ones there), in the cache's dtype
-    once it is large, and float32 caches stay as they are. The float32 products come back in
+    """A bfloat16 CPU cache's decode step attends in float32 while its products are small (small
+    bfloat16 matmuls cost several times their float32 ones there), in the cache's dtype once
+    they are large, and float32 caches stay as they are. The float32 products come back in
     bfloat16 and are closer to a float64 reference than bfloat16's own."""
     c = tiny()
     width = c.kv_lora_rank + c.qk_rope_head_dim
     store = torch.randn(64, width, generator=torch.Generator().manual_seed(0)).bfloat16()
     slots = torch.arange(40).view(2, 20)
-    assert decode_dtype(store, slots) == torch.float32
-    assert decode_dtype(store.float(), slots) is None
-    large = torch.zeros(attention.FLOAT32_DECODE_VALUES // width + 1, dtype=torch.int64)
-    assert decode_dtype(store, large[None]) is None
-
     torch.manual_seed(1)
-    mla = MLA(c).bfloat16()
-    heads = c.num_attention_heads
-    latent = Latent(
-        torch.randn(2, heads, c.qk_nope_head_dim).bfloat16(),
-        torch.randn(2, heads, c.qk_rope_head_dim).bfloat16(),
-        torch.randn(2, c.kv_lora_rank).bfloat16(),
-        torch.randn(2, c.qk_rope_head_dim).bfloat16(),
-    )
+    mla, latent = MLA(c).bfloat16(), _latent(c, 2)
+    assert decode_dtype(mla, latent, store, slots) == torch.float32
+    assert decode_dtype(mla, latent, store.float(), slots) is None
+    per_token = c.num_attention_heads * (width + c.kv_lora_rank)
+    long = torch.zeros(2, attention.FLOAT32_DECODE_MACS // per_token // 2 + 1, dtype=torch.int64)
+    assert decode_dtype(mla, latent, store, long) is None
+
     mask = torch.arange(20)[None, None, :] < torch.tensor([[[20]], [[13]]])
     with torch.no_grad():
-        in_float32 = decode_attention(
-            mla, latent_query(mla, latent, torch.float32), store, slots, mask
-        )
+        query = latent_query(mla, latent, torch.float32)
+        in_float32 = decode_attention(mla, query, store, slots, mask)
         in_bfloat16 = decode_attention(mla, latent_query(mla, latent), store, slots, mask)
         exact = [t.double() for t in (latent.q_nope, latent.q_pe, latent.kv, latent.k_pe)]
         mla64 = MLA(c).double()
@@ -49,3 +52,23 @@ def test_small_half_precision_decode_attends_in_float32():
     error = (in_float32.double() - reference).abs().max()
     assert error <= (in_bfloat16.double() - reference).abs().max()
     assert error <= 0.02 * reference.abs().max()
+
+
+def test_a_bfloat16_engine_decodes_small_steps_in_float32(tiny_path, monkeypatch):
+    """Through the engine: the tiny checkpoint's bfloat16 decode steps reach the attention with
+    float32 queries (its prompt steps, with the model's), and none does where the limit is 0."""
+    seen = []
+
+    def recording(mla, query, *args):
+        seen.append(query.dtype)
+        return decode_attention(mla, query, *args)
+
+    monkeypatch.setattr(attention, "decode_attention", recording)
+    llm = LLM(tiny_path, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert torch.float32 in seen
+    seen.clear()
+    monkeypatch.setattr(attention, "FLOAT32_DECODE_MACS", 0)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert seen and set(seen) == {torch.bfloat16}  # the same steps, all in the model's dtype

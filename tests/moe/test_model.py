@@ -303,18 +303,33 @@ def test_cpu_experts_pad_decode_batches_not_prefill_ones():
     (8,192 routed rows over 32 slots) would pad megabytes of zeros, so they go to the grouped
     GEMM; float32's rows, twice as large, reach that size at half as many (4,096). The padded
     size counts the slots actually batched: 64 rows over 256 slots of DeepSeek-V3's hidden size
-    gather 64 slots (1.8 MB), not all 256."""
-    from moeinfra.moe.expert_parallel import _padded_batch_gemms, _padded_shape
+    gather 64 slots (1.8 MB of rows), not all 256 — but their weights (88 MB a slot in bfloat16)
+    are not copied: the grouped GEMM reads them where they are. A few rows run one batch entry
+    each while their slots' weights are small (16 rows of the 32-expert benchmark layer, 196 KB a
+    slot in bfloat16), not with DeepSeek-V3's."""
+    from moeinfra.moe.expert_parallel import (
+        GATHERED_EXPERT_BYTES,
+        _padded_batch_gemms,
+        _padded_shape,
+        _per_row_experts,
+    )
 
+    small_slot = 3 * 256 * 128
     for rows, padded in ((32, True), (2048, True), (4096, True), (8192, False)):
         counts = torch.bincount(torch.arange(rows) % 32, minlength=32)
         x = torch.zeros(rows, 256, dtype=torch.bfloat16)
-        assert _padded_batch_gemms(x, counts) is padded
-        assert _padded_batch_gemms(x.float(), counts) is (padded and rows < 4096)
+        assert _padded_batch_gemms(x, counts, 2 * small_slot) is padded
+        assert _padded_batch_gemms(x.float(), counts, 4 * small_slot) is (padded and rows < 4096)
     counts = torch.bincount(torch.arange(64) % 63 * 4, minlength=256)  # one slot gets two rows
     gathered, batch, width = _padded_shape(counts)
     assert (batch, width) == (64, 2) and gathered[:63].tolist() == list(range(0, 252, 4))
-    assert _padded_batch_gemms(torch.zeros(64, 7168, dtype=torch.bfloat16), counts)
+    deepseek_slot = 2 * 3 * 7168 * 2048
+    x = torch.zeros(64, 7168, dtype=torch.bfloat16)
+    assert _padded_batch_gemms(x, counts, GATHERED_EXPERT_BYTES // 64)  # 64 slots, copied
+    assert not _padded_batch_gemms(x, counts, deepseek_slot)
+    assert _per_row_experts(torch.zeros(16, 256), 4 * small_slot)
+    assert not _per_row_experts(torch.zeros(17, 256), 4 * small_slot)
+    assert not _per_row_experts(torch.zeros(1, 7168), deepseek_slot)
     assert _padded_shape(torch.ones(32, dtype=torch.int64))[:2] == (None, 32)  # all: no gather
 
 
@@ -333,8 +348,9 @@ def test_fused_projections_fall_back_when_one_cannot_join():
 
 
 def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
-    """The contiguous halves of ``wkv_b`` kept for CPU inference: rebuilt when the weight
-    changes, dropped by a deep copy and by a move or cast, never used with gradients."""
+    """The contiguous halves of ``wkv_b`` kept for CPU inference, per dtype: rebuilt when the
+    weight changes (the other dtypes' dropped), dropped by a deep copy and by a move or cast,
+    never used with gradients."""
     from moeinfra.moe.mla import MLA
 
     mla = MLA(tiny())
@@ -347,6 +363,9 @@ def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
         w_uk64, w_uv64 = mla.absorbed_weights(torch.float64)  # another dtype: kept beside
         assert torch.equal(w_uk64, (2 * w_uk).double()) and torch.equal(w_uv64, w_uv_t.double() * 2)
         assert mla.absorbed_weights()[0].dtype == torch.float32
+        mla.wkv_b.weight.mul_(2)  # stale copies of every dtype go with the old weight
+        mla.absorbed_weights()
+        assert list(mla._absorbed) == [torch.float32]
         mla.double()
         assert mla._absorbed == {} and mla.absorbed_weights()[0].dtype == torch.float64
     assert mla.absorbed_weights()[0].requires_grad  # training: views of the parameter
@@ -370,7 +389,7 @@ def test_cpu_experts_equal_the_grouped_gemm(tokens, dtype, monkeypatch):
     ep = ExpertParallelMoE(build_moe(c, seed=3), plan).to(dtype)
     with torch.no_grad():
         padded = ep(x).float()
-        monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda rows, counts: False)
+        monkeypatch.setattr(expert_parallel, "_padded_batch_gemms", lambda *args: False)
         grouped = ep(x).float()
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     assert (padded - grouped).abs().max() <= tolerance * grouped.abs().max()

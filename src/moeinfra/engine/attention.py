@@ -199,7 +199,7 @@ def paged_mla_attention(
     width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
     store = cached[:, :width] if sparse else cached
     if not plan.chunks and not plan.sparse and not plan.short:  # decode only: rows in order
-        query = latent_query(mla, latent, decode_dtype(store, plan.decode_slots))
+        query = latent_query(mla, latent, decode_dtype(mla, latent, store, plan.decode_slots))
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
     query = latent_query(mla, latent)
     out = query.new_empty(plan.num_tokens, mla.wo.out_features)
@@ -231,22 +231,31 @@ def paged_mla_attention(
     return out
 
 
-# Cached values a bfloat16 (float16) decode step's attention reads at most to run in float32 on
-# the CPU: small batched matmuls in bfloat16 cost ~15-27 us of set-up each against ~4-9 in float32
-# (the four products of one request over 320 tokens of hidden 256's cache: 109 vs 75 us; 8
-# requests 134 vs 116), while from ~256K values on the float32 copies and products cost more
-# (8 requests over 1,024 tokens: 222 vs 272 us; DeepSeek-V3's latent width, 2 requests over 320
-# tokens: 181 vs 216). 2 threads, AMD EPYC.
-FLOAT32_DECODE_VALUES = 1 << 18
+# Multiply-adds up to which a bfloat16 (float16) decode step's attention runs in float32 on the CPU:
+# small batched matmuls in bfloat16 cost ~15-27 us of set-up each against ~4-9 in float32 (the
+# four products of one request over 320 tokens of the small benchmark checkpoint, 8 heads of
+# latent 64, 0.44M multiply-adds: 109 vs 75 us; 8 requests, 3.5M: 134 vs 116; 8 heads of
+# DeepSeek-V3's latent width, one request, 3.8M: 190 vs 143), while larger products are cheaper in
+# bfloat16 (8 heads of DeepSeek-V3's width, 2 requests over 320 tokens, 7.7M: 181 vs 216 us;
+# DeepSeek-V3's 128 heads, one request over 384 tokens, 70M: ~3.5 vs ~4.2 ms). 2 threads, AMD EPYC.
+FLOAT32_DECODE_MACS = 1 << 22
 
 
-def decode_dtype(store: torch.Tensor, slots: torch.Tensor) -> torch.dtype | None:
-    """The dtype a decode step's attention over ``store[slots]`` computes in: float32 for a small
-    one of a half-precision CPU cache (:data:`FLOAT32_DECODE_VALUES`), else None (the model's)."""
-    small = slots.numel() * store.shape[1] <= FLOAT32_DECODE_VALUES
-    if store.device.type == "cpu" and store.dtype in _HALF and small:
-        return torch.float32
-    return None
+def decode_dtype(
+    mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Tensor
+) -> torch.dtype | None:
+    """The dtype a decode step's attention of ``latent``'s queries over ``store[slots]`` computes
+    in: float32 for a small one (:data:`FLOAT32_DECODE_MACS`) over a half-precision CPU cache,
+    else None (the model's). The choice depends on the whole step (its requests and their padded
+    lengths), so a bfloat16 request's greedy tokens may depend on its batch."""
+    if store.device.type != "cpu" or store.dtype not in _HALF:
+        return None
+    c, rows = mla.config, latent.q_nope.shape[0]
+    per_request = rows // max(slots.shape[0], 1)
+    projections = rows * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+    scores_and_values = per_request * slots.numel() * (store.shape[1] + c.kv_lora_rank)
+    small = mla.heads * (projections + scores_and_values) <= FLOAT32_DECODE_MACS
+    return torch.float32 if small else None
 
 
 _HALF = (torch.bfloat16, torch.float16)

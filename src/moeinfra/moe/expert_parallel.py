@@ -215,7 +215,7 @@ class ExpertParallelMoE(nn.Module):
                         gate, up = linear(part, w13[slot]).chunk(2, dim=-1)
                         done[start : start + count] = linear(swiglu(gate, up, limit), w2[slot])
                         start += count
-            elif _padded_batch_gemms(sorted_rows, counts):
+            elif _padded_batch_gemms(sorted_rows, counts, _slot_bytes(w13, w2)):
                 done = _padded_expert_gemms(sorted_rows, counts, w13, w2, limit)
             else:
                 ends = counts.cumsum(0).to(torch.int32)
@@ -378,9 +378,25 @@ def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
 
 
 PADDED_EXPERT_BYTES = 4 << 20
+# Expert weights a padded or per-row batch copies at most (its used slots', or its rows' slots'):
+# the copy pays while it is cache-sized and the experts small (a 32-expert layer of hidden 256);
+# one expert of hidden 2,048 and 1,024-wide experts is 12 MB in bfloat16, and 8 rows over 8 such
+# slots took ~48 ms copied against ~6.5 ms on torch's grouped GEMM (one thread).
+GATHERED_EXPERT_BYTES = 8 << 20
 
 
-def _padded_batch_gemms(rows: torch.Tensor, counts: torch.Tensor) -> bool:
+def _slot_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    """Bytes of one slot's expert weights."""
+    return (w13[0].numel() + w2[0].numel()) * w13.element_size()
+
+
+def _per_row_experts(rows: torch.Tensor, slot_bytes: int) -> bool:
+    """Whether ``rows`` run one batch entry each (:data:`PER_ROW_EXPERT_ROWS`)."""
+    num_rows = rows.shape[0]
+    return num_rows <= PER_ROW_EXPERT_ROWS and num_rows * slot_bytes <= GATHERED_EXPERT_BYTES
+
+
+def _padded_batch_gemms(rows: torch.Tensor, counts: torch.Tensor, slot_bytes: int) -> bool:
     """On the CPU torch's grouped GEMM runs one call per group (bfloat16: one oneDNN call, ~13 us
     however few rows; float32: a loop over every group, used or not), slower than one batched GEMM
     over the used slots with their rows padded to the fullest one's: 0.33 vs 0.54 ms for 32 rows
@@ -389,13 +405,16 @@ def _padded_batch_gemms(rows: torch.Tensor, counts: torch.Tensor) -> bool:
     ~10.8 ms, of 32 requests ~18.6 vs ~19.2 (2 threads). Not once the padded rows reach
     :data:`PADDED_EXPERT_BYTES` (a prefill step): zeros written and multiplied for nothing, out
     of the cache — 13.8 vs 4.0 ms for 8,192 rows over 32 slots of hidden 256, 14.6 vs 8.1 ms for
-    1,024 rows of hidden 1,024 (bfloat16, 2 threads). Always up to :data:`PER_ROW_EXPERT_ROWS`
-    rows."""
+    1,024 rows of hidden 1,024 (bfloat16, 2 threads) — nor once the slots' weights it would
+    copy (``slot_bytes`` each) pass :data:`GATHERED_EXPERT_BYTES`. Always for rows that run one
+    batch entry each (:func:`_per_row_experts`)."""
     if rows.device.type != "cpu":
         return False
-    if rows.shape[0] <= PER_ROW_EXPERT_ROWS:
+    if rows.shape[0] == 0 or _per_row_experts(rows, slot_bytes):
         return True
-    _, batch, width = _padded_shape(counts)
+    gathered, batch, width = _padded_shape(counts)
+    if gathered is not None and batch * slot_bytes > GATHERED_EXPERT_BYTES:
+        return False
     return batch * width * rows.shape[1] * rows.element_size() < PADDED_EXPERT_BYTES
 
 
@@ -424,8 +443,8 @@ def _padded_shape(counts: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:
 _SLOT_BUCKET = 8
 
 # Rows up to which the padded expert GEMMs run one row per batch entry, each with its own slot's
-# weights gathered, instead of the padded layout's bookkeeping (two repeat_interleaves, the zeroed
-# batch, two row moves): 72 vs 106 us for 4 rows, 156 vs 197 us for 16 (14 slots), 257 vs 191 us
+# weights gathered (within GATHERED_EXPERT_BYTES), instead of the padded layout's bookkeeping (two
+# repeat_interleaves against one, the zeroed batch, two row moves): 72 vs 106 us for 4 rows, 156 vs 197 us for 16 (14 slots), 257 vs 191 us
 # for 32 (19 slots); hidden 256, bfloat16, 2 threads. In float32 a one-request decode step of the
 # benchmark checkpoint ~6.5 ms against ~7 with torch's grouped GEMM.
 PER_ROW_EXPERT_ROWS = 16
@@ -434,11 +453,11 @@ PER_ROW_EXPERT_ROWS = 16
 def _padded_expert_gemms(rows, counts, w13, w2, limit) -> torch.Tensor:
     """The experts of ``rows [N, H]`` (sorted by slot, ``counts [slots]`` each) as two batched
     GEMMs over the slots of :func:`_padded_shape`, each slot's rows padded with zeros (a zero row
-    stays zero through SwiGLU) -> ``[N, H]``; up to :data:`PER_ROW_EXPERT_ROWS` rows, over the rows
-    themselves, each with its slot's weights."""
+    stays zero through SwiGLU) -> ``[N, H]``; over the rows themselves, each with its slot's
+    weights, where :func:`_per_row_experts`."""
     if rows.shape[0] == 0:  # a rank no token of the step was routed to
         return torch.empty_like(rows)
-    if rows.shape[0] <= PER_ROW_EXPERT_ROWS:  # each row its slot's weights: no padding
+    if _per_row_experts(rows, _slot_bytes(w13, w2)):  # each row its slot's weights: no padding
         slots = torch.repeat_interleave(counts)
         w13, w2 = w13.index_select(0, slots), w2.index_select(0, slots)
         gate, up = torch.bmm(rows[:, None], w13.transpose(1, 2)).chunk(2, dim=-1)

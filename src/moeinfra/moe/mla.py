@@ -152,6 +152,8 @@ class MLA(nn.Module):
             key = weight_key(w)
             kept = self._absorbed.get(dtype)
             if kept is None or kept[0] != key:
+                # copies of an older weight, whatever their dtype, are dropped with it
+                self._absorbed = {d: k for d, k in self._absorbed.items() if k[0] == key}
                 w_uk, w_uv_t = self._split_absorbed(w.detach().to(dtype))
                 kept = self._absorbed[dtype] = (key, w_uk.contiguous(), w_uv_t.contiguous())
             return kept[1], kept[2]
@@ -233,7 +235,7 @@ def latent_attention(
     latent ``c_kv`` then the rotated ``k_pe``; its own tokens included); ``mask [S, Q, L]`` is True
     where a query may attend (None: everywhere). Scores are ``q_nope W_uk c_kv + q_pe k_pe`` times
     the softmax scale; the output is ``wo(softmax @ c_kv W_uv)``. The products run in the
-    query's dtype, ``wo`` in the model's (``wkv_b``'s).
+    query's dtype, ``wo`` in the model's (its norms' weights': never kept in FP8).
     """
     groups, length = ctx.shape[:2]
     heads, rank = query.shape[1], mla.config.kv_lora_rank
@@ -247,7 +249,7 @@ def latent_attention(
     out_lat = torch.matmul(probs, ctx[..., :rank]).view(groups * per_group, heads, rank)
     _, w_uv_t = mla.absorbed_weights(query.dtype)
     out = torch.matmul(out_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
-    return mla.wo(out.flatten(1).to(mla.wkv_b.weight.dtype)).view(groups, per_group, -1)
+    return mla.wo(out.flatten(1).to(mla.kv_norm.weight.dtype)).view(groups, per_group, -1)
 
 
 @functools.cache
