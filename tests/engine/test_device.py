@@ -100,25 +100,39 @@ def test_fp8_experts_migrate_live_between_ranks(fp8_path, prompt_ids):
     assert [o.outputs[0].token_ids for o in outputs] == ref
 
 
-_MALLOC_PROBE = """
-import ctypes, sys, torch
-from moeinfra.engine.device import keep_freed_memory
+_MALLINFO = """
+import ctypes, torch
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = Info
+def mapped_and_free_mb():
+    tensor = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+    mapped = mallinfo2().hblkhd
+    del tensor
+    return [mapped >> 20, mallinfo2().fordblks >> 20]
+"""
+_MALLOC_PROBE = (
+    _MALLINFO
+    + """
+import sys
+from moeinfra.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     keep_freed_memory()
 elif sys.argv[1] != "none":  # an engine on the CPU keeps freed memory once loaded
     from moeinfra.engine import LLM
     LLM(sys.argv[1], device="cpu")
-tensor = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
-mapped = mallinfo2().hblkhd
-del tensor
-print(mapped >> 20, mallinfo2().fordblks >> 20)
+print(*mapped_and_free_mb())
 """
+)
+
+
+def _launched_rank_mapped_and_free_mb() -> list[int]:
+    probe: dict = {}
+    exec(_MALLINFO, probe)
+    return probe["mapped_and_free_mb"]()
 
 
 def _glibc_version() -> tuple[int, ...]:
@@ -150,3 +164,16 @@ def test_a_cpu_engine_keeps_the_memory_its_tensors_free(tiny_path):
     for setting in ("keep", str(tiny_path)):
         mapped, free = mapped_and_free_mb(setting)
         assert mapped < 16 and free >= 16, setting
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_glibc_version() < (2, 33), reason="glibc's malloc, mallinfo2 from 2.33")
+@pytest.mark.skipif(
+    any(k.startswith(("MALLOC_", "GLIBC_")) for k in os.environ), reason="malloc tunables set"
+)
+def test_launched_ranks_keep_the_memory_their_tensors_free():
+    """Every rank ``moe.launch`` spawns (``moeinfra moe run``, ``train``) keeps freed memory too."""
+    from moeinfra.moe.launch import launch
+
+    [(mapped, free)] = launch(1, _launched_rank_mapped_and_free_mb, timeout_s=100)
+    assert mapped < 16 and free >= 16

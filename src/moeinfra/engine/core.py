@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.config import EngineConfig
-from moeinfra.engine.device import keep_freed_memory, keeps_fp8, place_rank, resolve_dtype
+from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -35,6 +35,7 @@ from moeinfra.engine.speculative import SpecStats, verify
 from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
+from moeinfra.memory import keep_freed_memory
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.expert_parallel import take_step_loads
 from moeinfra.moe.mla import Segment

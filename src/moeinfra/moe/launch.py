@@ -33,7 +33,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    from moeinfra.memory import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()
     try:
         dist.init_process_group(
             "gloo",
