@@ -239,6 +239,7 @@ def paged_mla_attention(
 # bfloat16 (8 heads of DeepSeek-V3's width, 2 requests over 320 tokens, 7.7M: 181 vs 216 us;
 # DeepSeek-V3's 128 heads, one request over 384 tokens, 70M: ~3.5 vs ~4.2 ms). 2 threads, AMD EPYC.
 FLOAT32_DECODE_MACS = 1 << 22
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def decode_dtype(
@@ -257,8 +258,6 @@ def decode_dtype(
     small = mla.heads * (projections + scores_and_values) <= FLOAT32_DECODE_MACS
     return torch.float32 if small else None
 
-
-_HALF = (torch.bfloat16, torch.float16)
 
 # Bytes of cache rows one decode group gathers at most: a group's context stays in the CPU's last
 # level cache between its gather and its two matmuls (a batch of 128 requests of 300 tokens gathers

@@ -410,7 +410,7 @@ def _padded_batch_gemms(rows: torch.Tensor, counts: torch.Tensor, slot_bytes: in
     batch entry each (:func:`_per_row_experts`)."""
     if rows.device.type != "cpu":
         return False
-    if rows.shape[0] == 0 or _per_row_experts(rows, slot_bytes):
+    if _per_row_experts(rows, slot_bytes):  # no rows included
         return True
     gathered, batch, width = _padded_shape(counts)
     if gathered is not None and batch * slot_bytes > GATHERED_EXPERT_BYTES:
@@ -444,9 +444,10 @@ _SLOT_BUCKET = 8
 
 # Rows up to which the padded expert GEMMs run one row per batch entry, each with its own slot's
 # weights gathered (within GATHERED_EXPERT_BYTES), instead of the padded layout's bookkeeping (two
-# repeat_interleaves against one, the zeroed batch, two row moves): 72 vs 106 us for 4 rows, 156 vs 197 us for 16 (14 slots), 257 vs 191 us
-# for 32 (19 slots); hidden 256, bfloat16, 2 threads. In float32 a one-request decode step of the
-# benchmark checkpoint ~6.5 ms against ~7 with torch's grouped GEMM.
+# repeat_interleaves against one, the zeroed batch, two row moves): 72 vs 106 us for 4 rows, 156 vs
+# 197 us for 16 (14 slots), 257 vs 191 us for 32 (19 slots); hidden 256, bfloat16, 2 threads. In
+# float32 a one-request decode step of the benchmark checkpoint ~6.5 ms against ~7 with torch's
+# grouped GEMM.
 PER_ROW_EXPERT_ROWS = 16
 
 
