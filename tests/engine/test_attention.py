@@ -6,6 +6,7 @@ import torch
 
 from moeinfra.engine import LLM, SamplingParams, attention
 from moeinfra.engine.attention import decode_attention, decode_dtype
+from moeinfra.moe import cpu_kernels
 from moeinfra.moe.config import tiny
 from moeinfra.moe.mla import MLA, Latent, latent_query
 
@@ -55,8 +56,10 @@ def test_small_half_precision_decode_attends_in_float32():
 
 
 def test_a_bfloat16_engine_decodes_small_steps_in_float32(tiny_path, monkeypatch):
-    """Through the engine: the tiny checkpoint's bfloat16 decode steps reach the attention with
-    float32 queries (its prompt steps, with the model's), and none does where the limit is 0."""
+    """Through the engine without moeinfra's CPU kernels: the tiny checkpoint's bfloat16 decode
+    steps reach the attention with float32 queries (its prompt steps, with the model's), and none
+    does where the limit is 0."""
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
     seen = []
 
     def recording(mla, query, *args):
@@ -72,3 +75,33 @@ def test_a_bfloat16_engine_decodes_small_steps_in_float32(tiny_path, monkeypatch
     monkeypatch.setattr(attention, "FLOAT32_DECODE_MACS", 0)
     llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
     assert seen and set(seen) == {torch.bfloat16}  # the same steps, all in the model's dtype
+
+
+def test_small_decode_steps_run_the_fused_kernel_with_the_torch_paths_tokens(
+    tiny_path, monkeypatch
+):
+    """With the CPU kernels, the tiny checkpoint's small decode-only steps attend through
+    ``fused_decode_attention`` (prompt steps do not), and greedy float32 generations equal those
+    of the torch operators, kernels off."""
+    calls = []
+    fused = attention.fused_decode_attention
+
+    def recording(mla, latent, store, plan):
+        calls.append(plan.decode_lengths.tolist())
+        return fused(mla, latent, store, plan)
+
+    monkeypatch.setattr(attention, "fused_decode_attention", recording)
+    prompts = [[5, 6, 7, 8, 9, 10], [8, 9], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_path)
+    with_kernels = llm.generate(prompts, params, use_tqdm=False)
+    assert cpu_kernels.available()
+    layers = llm.model_config.num_layers
+    assert len(calls) == 5 * layers and calls[0] == [7, 3, 41]  # every decode step, every layer
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    calls.clear()
+    without = LLM(tiny_path).generate(prompts, params, use_tqdm=False)
+    assert not calls
+    assert [o.outputs[0].token_ids for o in with_kernels] == [
+        o.outputs[0].token_ids for o in without
+    ]

@@ -36,6 +36,7 @@ from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
 from moeinfra.memory import keep_freed_memory
+from moeinfra.moe import cpu_kernels
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.expert_parallel import take_step_loads
 from moeinfra.moe.mla import Segment
@@ -194,6 +195,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos)
         if self.device.type == "cpu":
             keep_freed_memory()  # once loaded: the loader's large temporaries went back already
+            cpu_kernels.available()  # built now (first time on a machine), not in a request's step
 
     # ------------------------------------------------------------------ placement
     def _initial_plan(self, num_layers: int | None = None) -> Plan:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from moeinfra.errors import InputError
+from moeinfra.moe import cpu_kernels
 from moeinfra.moe.config import MoEConfig
 
 SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
@@ -54,6 +55,25 @@ def route(
     num_tokens, num_experts = logits.shape
     if num_experts % num_groups:
         raise InputError(f"num_groups={num_groups} must divide the {num_experts} experts")
+    if normalize is None:
+        normalize = scoring == "sigmoid"
+    # DeepSeek-V3's sigmoid routing on the CPU: moeinfra's kernel, the ~20 operators in one (6 vs
+    # 24 us for one token of 32 or 256 experts, 4.8 vs 12.3 ms for 4,096 tokens of 256; 2 threads);
+    # equal biased scores are ordered by expert index
+    if (
+        scoring == "sigmoid"
+        and logits.dtype == torch.float32
+        and cpu_kernels.usable(logits, *(() if bias is None else (bias,)))
+    ):
+        return torch.ops.moeinfra.route(
+            logits,
+            bias,
+            top_k,
+            num_groups,
+            groups_per_token,
+            scaling_factor,
+            normalize,
+        )
     scores = expert_scores(logits, scoring)
     original = scores
     if bias is not None:
@@ -70,8 +90,6 @@ def route(
         scores = grouped.masked_fill(drop.unsqueeze(-1), float("-inf")).flatten(1)
     indices = scores.topk(top_k, dim=-1)[1]
     weights = original.gather(1, indices)
-    if normalize is None:
-        normalize = scoring == "sigmoid"
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling_factor, indices

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from moeinfra.moe import cpu_kernels
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
 
@@ -110,7 +111,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight
+        if (
+            x.dtype == w.dtype
+            and (x.dtype == torch.float32 or x.numel() <= KERNEL_NORM_VALUES)
+            and cpu_kernels.usable(x, w)
+        ):
+            return torch.ops.moeinfra.rms_norm(x, w, self.eps)
+        return F.rms_norm(x, w.shape, w, self.eps)
+
+
+# Half-precision values up to which RMSNorm runs as moeinfra's CPU kernel (float32: always):
+# torch's ``F.rms_norm`` is 8 operators, ~10 us for one row of 256 against ~2 us; its vectorised
+# half-precision conversions win on many rows (2,048 rows of 256 in bfloat16: 197 vs 346 us).
+KERNEL_NORM_VALUES = 1 << 15
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:

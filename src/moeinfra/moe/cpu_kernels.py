@@ -1,0 +1,132 @@
+"""moeinfra's fused CPU kernels (``csrc/cpu_kernels.cpp``) for steps of a few rows.
+
+A decode step of a few requests on a small model spends its time in the per-call cost of hundreds
+of small torch operators, not in their arithmetic: RMSNorm is 8 of them, MLA's absorbed attention
+over a paged cache ~45 per layer, the experts of a few routed rows a weight gather and two batched
+GEMMs. vLLM's CPU build runs such chains as its own C++ kernels; these are moeinfra's, registered as
+torch operators (``torch.ops.moeinfra.*``):
+
+- ``mla_decode``: absorbed MLA attention of one query per request straight from the paged cache's
+  slots (no gathered context, no padded mask), float32 inside;
+- ``rms_norm``: RMSNorm rounding as ``torch.nn.functional.rms_norm`` does;
+- ``expert_rows``: the SwiGLU experts of a few rows, each with its own slot's stacked weights
+  (no weight gather).
+
+They are compiled with the machine's C++ compiler (``$CXX``, default ``g++``) against the installed
+torch the first time a process needs them (~15 s), into ``$MOEINFRA_CACHE`` (default
+``~/.cache/moeinfra``)``/kernels``, and reused after. Where that fails (no compiler) or with
+``MOEINFRA_CPU_KERNELS=0``, every caller runs its torch operators instead, with the same results up
+to float rounding; :func:`available` says which.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+ENABLE_ENV = "MOEINFRA_CPU_KERNELS"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used: not when ``MOEINFRA_CPU_KERNELS=0`` (read on every
+    call, so that tests and benchmarks can compare both paths in one process)."""
+    return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def available() -> bool:
+    """Whether ``torch.ops.moeinfra``'s kernels are enabled and loaded (built on first call)."""
+    return enabled() and _load()
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel may run on ``tensors``: on the CPU, outside autograd, kernels available."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.device.type == "cpu" for t in tensors) and available()
+
+
+@functools.cache
+def _load() -> bool:
+    try:
+        torch.ops.load_library(str(build()))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        warnings.warn(
+            f"moeinfra's CPU kernels could not be built ({str(detail).strip()[-400:]}); "
+            "running torch operators instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def build() -> Path:
+    """The kernels' shared library for this torch and CPU, compiled unless already cached."""
+    root = Path(os.environ.get("MOEINFRA_CACHE", Path.home() / ".cache" / "moeinfra")) / "kernels"
+    compiler = os.environ.get("CXX", "g++")
+    command = _command(compiler)
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), torch.__version__, *command, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    library = root / f"moeinfra_cpu_{key}.so"
+    if library.is_file():
+        return library
+    if shutil.which(compiler) is None:
+        raise OSError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together build it once
+        if not library.is_file():
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                built = Path(tmp) / library.name
+                subprocess.run(
+                    [*command[:1], str(SOURCE), "-o", str(built), *command[1:]],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                built.replace(library)
+    return library
+
+
+def _command(compiler: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler,
+        *_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        f"-L{torch_lib}",
+        f"-Wl,-rpath,{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` compiles for them): a library built on another
+    CPU sharing the cache is not reused."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + sys.platform

@@ -1,0 +1,393 @@
+// Fused CPU kernels of a few-row (decode) step: each replaces a chain of small torch operators
+// whose per-call cost, not their arithmetic, dominates a step of a few requests. Built and loaded
+// by moeinfra/moe/cpu_kernels.py, which says when each runs; every one is tested against the
+// torch operators it replaces. Arithmetic is float32 whatever the tensors' dtype; where the
+// torch path rounds an intermediate to a half-precision dtype, so does the kernel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
+}
+
+// a float rounded to T and back, as torch's T-typed intermediate would be
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// Splits n tasks of `task_macs` multiply-adds each into at least 64K-multiply-add chunks: waking
+// a thread costs more than a smaller chunk saves.
+inline int64_t grain_of(int64_t task_macs) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(task_macs, 1));
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+}
+
+// ---- MLA decode attention over a paged latent cache (absorbed form) ----------------------------
+
+// Tasks are (request, group of heads): a cached row is read into float32 once per task and used
+// by each of the group's heads; one request's heads are split in groups only to keep every
+// thread busy.
+template <typename C>
+void mla_decode_kernel(const float* q_nope, const float* q_pe, const float* w_uk,
+                       const float* w_uv_t, const C* store, int64_t row_stride,
+                       const int64_t* slots, const int64_t* lengths, float* out, int64_t requests,
+                       int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t value,
+                       int64_t context, float scale) {
+  const int64_t width = rank + rope, threads = at::get_num_threads();
+  const int64_t groups = std::clamp<int64_t>((2 * threads + requests - 1) / requests, 1, heads);
+  const int64_t per_group = (heads + groups - 1) / groups;
+  const int64_t task_macs = per_group * (context * (width + rank) + (nope + value) * rank);
+  at::parallel_for(0, requests * groups, grain_of(task_macs), [&](int64_t begin, int64_t end) {
+    std::vector<float> query(per_group * width), scores(per_group * context),
+        latent(per_group * rank);
+    std::vector<float> row(width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / groups, h0 = task % groups * per_group;
+      const int64_t hn = std::min(heads, h0 + per_group) - h0, length = lengths[r];
+      const int64_t* context_slots = slots + r * context;
+      // each head's query in the cache's space: q_nope W_uk beside q_pe
+      std::fill(query.begin(), query.end(), 0.f);
+      for (int64_t h = 0; h < hn; ++h) {
+        const int64_t head = h0 + h;
+        float* q = query.data() + h * width;
+        const float* qn = q_nope + (r * heads + head) * nope;
+        for (int64_t d = 0; d < nope; ++d) axpy(qn[d], w_uk + (head * nope + d) * rank, q, rank);
+        std::copy_n(q_pe + (r * heads + head) * rope, rope, q + rank);
+      }
+      std::vector<float> top(hn, -std::numeric_limits<float>::infinity());
+      for (int64_t l = 0; l < length; ++l) {
+        const C* cached = store + context_slots[l] * row_stride;
+        for (int64_t i = 0; i < width; ++i) row[i] = static_cast<float>(cached[i]);
+        for (int64_t h = 0; h < hn; ++h) {
+          const float score = dot(query.data() + h * width, row.data(), width) * scale;
+          scores[h * context + l] = score;
+          top[h] = std::max(top[h], score);
+        }
+      }
+      std::vector<float> total(hn, 0.f);
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t l = 0; l < length; ++l)
+          total[h] += (scores[h * context + l] = std::exp(scores[h * context + l] - top[h]));
+      std::fill(latent.begin(), latent.end(), 0.f);
+      for (int64_t l = 0; l < length; ++l) {
+        const C* cached = store + context_slots[l] * row_stride;
+        for (int64_t i = 0; i < rank; ++i) row[i] = static_cast<float>(cached[i]);
+        for (int64_t h = 0; h < hn; ++h)
+          axpy(scores[h * context + l] / total[h], row.data(), latent.data() + h * rank, rank);
+      }
+      for (int64_t h = 0; h < hn; ++h) {
+        const int64_t head = h0 + h;
+        float* o = out + (r * heads + head) * value;
+        std::fill(o, o + value, 0.f);
+        for (int64_t k = 0; k < rank; ++k)
+          axpy(latent[h * rank + k], w_uv_t + (head * rank + k) * value, o, value);
+      }
+    }
+  });
+}
+
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& w_uk,
+                      const at::Tensor& w_uv_t, const at::Tensor& store, const at::Tensor& slots,
+                      const at::Tensor& lengths, double scale, at::ScalarType out_dtype) {
+  for (auto* t : {&q_nope, &q_pe, &w_uk, &w_uv_t, &store, &slots, &lengths})
+    check_cpu(*t, "mla_decode's tensors");
+  TORCH_CHECK(
+      q_nope.dim() == 3 && q_pe.dim() == 3 && w_uk.dim() == 3 && w_uv_t.dim() == 3,
+      "mla_decode: q_nope, q_pe [S, heads, d], w_uk [heads, nope, rank], w_uv_t [heads, rank, v]");
+  TORCH_CHECK(store.dim() == 2 && store.stride(1) == 1,
+              "mla_decode: store [slots, width] with rows contiguous");
+  TORCH_CHECK(slots.dim() == 2 && lengths.dim() == 1 && slots.size(0) == lengths.size(0) &&
+                  slots.size(0) == q_nope.size(0),
+              "mla_decode: slots [S, L], lengths [S], one query per request");
+  const int64_t requests = q_nope.size(0), heads = q_nope.size(1), nope = q_nope.size(2);
+  const int64_t rope = q_pe.size(2), rank = w_uk.size(2), value = w_uv_t.size(2);
+  TORCH_CHECK(store.size(1) >= rank + rope, "mla_decode: store rows narrower than rank + rope");
+  TORCH_CHECK(w_uk.scalar_type() == at::kFloat && w_uv_t.scalar_type() == at::kFloat,
+              "mla_decode: float32 absorbed weights");
+  auto qn = q_nope.to(at::kFloat).contiguous(), qp = q_pe.to(at::kFloat).contiguous();
+  auto wk = w_uk.contiguous(), wv = w_uv_t.contiguous();
+  auto sl = slots.to(at::kLong).contiguous(), len = lengths.to(at::kLong).contiguous();
+  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, store.scalar_type(), "mla_decode", [&] {
+    mla_decode_kernel<scalar_t>(qn.data_ptr<float>(), qp.data_ptr<float>(), wk.data_ptr<float>(),
+                                wv.data_ptr<float>(), store.data_ptr<scalar_t>(), store.stride(0),
+                                sl.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
+                                out.data_ptr<float>(), requests, heads, nope, rope, rank, value,
+                                sl.size(1), static_cast<float>(scale));
+  });
+  return out_dtype == at::kFloat ? out : out.to(out_dtype);
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+template <typename T>
+void rms_norm_kernel(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, grain_of(4 * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      T* o = out + r * dim;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < dim; ++i)
+        squares += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(squares / dim + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i)
+        o[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "rms_norm's x");
+  check_cpu(weight, "rms_norm's weight");
+  TORCH_CHECK(
+      weight.dim() == 1 && x.size(-1) == weight.size(0) && x.scalar_type() == weight.scalar_type(),
+      "rms_norm: weight [dim] of x's dtype");
+  auto xc = x.contiguous(), wc = weight.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t dim = x.size(-1), rows = dim ? xc.numel() / dim : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// ---- routed experts of a few rows, each row with its own slot's weights -------------------------
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+// Rows of one slot that follow each other form a run; a task is (run, block of 64 output columns):
+// each weight row is read once per run, for all of the run's rows.
+template <typename T>
+void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const T* w2, T* out,
+                        int64_t n, int64_t hidden, int64_t inter, float limit, bool limited) {
+  std::vector<int64_t> starts;
+  for (int64_t r = 0; r < n; ++r)
+    if (r == 0 || slots[r] != slots[r - 1]) starts.push_back(r);
+  starts.push_back(n);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1, block = 64;
+  std::vector<float> act(n * inter);
+  // gate and up projections, then SwiGLU
+  const int64_t blocks = (inter + block - 1) / block;
+  at::parallel_for(0, runs * blocks, grain_of(2 * block * hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> x;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t run = task / blocks, first = task % blocks * block;
+      const int64_t r0 = starts[run], count = starts[run + 1] - r0,
+                    last = std::min(inter, first + block);
+      x.resize(count * hidden);
+      for (int64_t i = 0; i < count * hidden; ++i) x[i] = static_cast<float>(rows[r0 * hidden + i]);
+      const T* w = w13 + slots[r0] * 2 * inter * hidden;
+      for (int64_t j = first; j < last; ++j) {
+        for (int64_t r = 0; r < count; ++r) {
+          float gate = round_to<T>(dot(x.data() + r * hidden, w + j * hidden, hidden));
+          float up = round_to<T>(dot(x.data() + r * hidden, w + (inter + j) * hidden, hidden));
+          if (limited) {
+            gate = std::min(gate, limit);
+            up = std::clamp(up, -limit, limit);
+          }
+          act[(r0 + r) * inter + j] = round_to<T>(round_to<T>(silu(gate)) * up);
+        }
+      }
+    }
+  });
+  // down projection
+  const int64_t out_blocks = (hidden + block - 1) / block;
+  at::parallel_for(0, runs * out_blocks, grain_of(block * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t run = task / out_blocks, first = task % out_blocks * block;
+      const int64_t r0 = starts[run], count = starts[run + 1] - r0,
+                    last = std::min(hidden, first + block);
+      const T* w = w2 + slots[r0] * hidden * inter;
+      for (int64_t k = first; k < last; ++k)
+        for (int64_t r = r0; r < r0 + count; ++r)
+          out[r * hidden + k] = static_cast<T>(dot(act.data() + r * inter, w + k * inter, inter));
+    }
+  });
+}
+
+at::Tensor expert_rows(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& w13,
+                       const at::Tensor& w2, std::optional<double> limit) {
+  for (auto* t : {&rows, &slots, &w13, &w2}) check_cpu(*t, "expert_rows' tensors");
+  TORCH_CHECK(rows.dim() == 2 && slots.dim() == 1 && slots.size(0) == rows.size(0),
+              "expert_rows: rows [N, H], slots [N]");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(2) == rows.size(1) &&
+                  w2.size(1) == rows.size(1) && w13.size(1) == 2 * w2.size(2) &&
+                  w13.size(0) == w2.size(0),
+              "expert_rows: w13 [slots, 2I, H], w2 [slots, H, I]");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() && w13.scalar_type() == rows.scalar_type(),
+              "expert_rows: weights of the rows' dtype");
+  auto x = rows.contiguous(), s = slots.to(at::kLong).contiguous();
+  auto a = w13.contiguous(), b = w2.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(0), hidden = x.size(1), inter = w2.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_rows", [&] {
+    expert_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), s.data_ptr<int64_t>(),
+                                 a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+                                 out.data_ptr<scalar_t>(), n, hidden, inter,
+                                 static_cast<float>(limit.value_or(0.)), limit.has_value());
+  });
+  return out;
+}
+
+// ---- rotary embedding, DeepSeek's interleaved layout ------------------------------------------
+
+template <typename T>
+void rope_kernel(const T* x, const float* cis, T* out, int64_t tokens, int64_t per_token,
+                 int64_t dim) {
+  const int64_t pairs = dim / 2;
+  at::parallel_for(0, tokens, grain_of(2 * per_token * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cis + t * dim;  // (cos, sin) of each pair
+      for (int64_t m = 0; m < per_token; ++m) {
+        const T* xi = x + (t * per_token + m) * dim;
+        T* o = out + (t * per_token + m) * dim;
+        for (int64_t i = 0; i < pairs; ++i) {
+          const float a = static_cast<float>(xi[2 * i]), b = static_cast<float>(xi[2 * i + 1]);
+          o[2 * i] = static_cast<T>(a * c[2 * i] - b * c[2 * i + 1]);
+          o[2 * i + 1] = static_cast<T>(a * c[2 * i + 1] + b * c[2 * i]);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cis) {
+  check_cpu(x, "rope's x");
+  check_cpu(cis, "rope's cis");
+  TORCH_CHECK(cis.scalar_type() == at::kComplexFloat && cis.dim() == 2 && x.dim() >= 2 &&
+                  x.size(0) == cis.size(0) && x.size(-1) == 2 * cis.size(1),
+              "rope: x [T, ..., d], cis [T, d/2] complex64");
+  auto xc = x.contiguous(), c = at::view_as_real(cis.contiguous()).contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t tokens = x.size(0), dim = x.size(-1);
+  const int64_t per_token = tokens && dim ? xc.numel() / tokens / dim : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    rope_kernel<scalar_t>(xc.data_ptr<scalar_t>(), c.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                          tokens, per_token, dim);
+  });
+  return out;
+}
+
+// ---- DeepSeek-V3's router: sigmoid scores, selection bias, group-limited top-k
+// -------------------
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits,
+                                         const std::optional<at::Tensor>& bias, int64_t top_k,
+                                         int64_t num_groups, int64_t groups_per_token,
+                                         double scaling_factor, bool normalize) {
+  check_cpu(logits, "route's logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "route: float32 logits [T, E]");
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(num_groups > 0 && experts % num_groups == 0 && groups_per_token <= num_groups &&
+                  top_k <= experts,
+              "route: groups must divide the experts, top_k at most their number");
+  auto l = logits.contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {
+    check_cpu(*bias, "route's bias");
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == experts, "route: bias [E]");
+  }
+  auto weights = at::empty({tokens, top_k}, l.options());
+  auto indices = at::empty({tokens, top_k}, l.options().dtype(at::kLong));
+  const float* lp = l.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  const int64_t per_group = experts / num_groups;
+  const float neg = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, tokens, grain_of(16 * experts), [&](int64_t begin, int64_t end) {
+    std::vector<float> score(experts), biased(experts), group_score(num_groups);
+    std::vector<int64_t> order(std::max(experts, num_groups));
+    // best first; ties: the lower index first
+    auto best = [&](const std::vector<float>& v, int64_t n, int64_t k) {
+      for (int64_t i = 0; i < n; ++i) order[i] = i;
+      std::partial_sort(
+          order.begin(), order.begin() + k, order.begin() + n,
+          [&](int64_t x, int64_t y) { return v[x] > v[y] || (v[x] == v[y] && x < y); });
+    };
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = lp + t * experts;
+      for (int64_t e = 0; e < experts; ++e) score[e] = 1.f / (1.f + std::exp(-row[e]));
+      for (int64_t e = 0; e < experts; ++e) biased[e] = bp ? score[e] + bp[e] : score[e];
+      if (num_groups > 1) {
+        for (int64_t g = 0; g < num_groups; ++g) {
+          const float* v = biased.data() + g * per_group;
+          float first = neg, second = neg;
+          for (int64_t e = 0; e < per_group; ++e) {
+            if (v[e] > first) {
+              second = first;
+              first = v[e];
+            } else if (v[e] > second) {
+              second = v[e];
+            }
+          }
+          // with a bias, the sum of the group's two best; without, its best (DeepSeek-V2)
+          group_score[g] = bp && per_group > 1 ? first + second : first;
+        }
+        best(group_score, num_groups, groups_per_token);
+        std::vector<bool> kept(num_groups, false);
+        for (int64_t i = 0; i < groups_per_token; ++i) kept[order[i]] = true;
+        for (int64_t e = 0; e < experts; ++e)
+          if (!kept[e / per_group]) biased[e] = neg;
+      }
+      best(biased, experts, top_k);
+      float total = 0.f;
+      for (int64_t i = 0; i < top_k; ++i) total += score[order[i]];
+      for (int64_t i = 0; i < top_k; ++i) {
+        const float w = normalize ? score[order[i]] / (total + 1e-20f) : score[order[i]];
+        wp[t * top_k + i] = w * static_cast<float>(scaling_factor);
+        ip[t * top_k + i] = order[i];
+      }
+    }
+  });
+  return {weights, indices};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moeinfra, m) {
+  m.def(
+      "mla_decode(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor w_uv_t, Tensor store, "
+      "Tensor slots, Tensor lengths, float scale, ScalarType out_dtype) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("expert_rows(Tensor rows, Tensor slots, Tensor w13, Tensor w2, float? limit) -> Tensor");
+  m.def("rope(Tensor x, Tensor cis) -> Tensor");
+  m.def(
+      "route(Tensor logits, Tensor? bias, int top_k, int num_groups, int groups_per_token, "
+      "float scaling_factor, bool normalize) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(moeinfra, CPU, m) {
+  m.impl("mla_decode", &mla_decode);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("expert_rows", &expert_rows);
+  m.impl("rope", &rope);
+  m.impl("route", &route);
+}

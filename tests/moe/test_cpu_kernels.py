@@ -1,0 +1,260 @@
+"""moeinfra's fused CPU kernels against the torch operators they replace, and the fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeinfra.engine.attention import decode_attention
+from moeinfra.moe import cpu_kernels, gate, rope
+from moeinfra.moe.config import tiny
+from moeinfra.moe.expert_parallel import _padded_expert_gemms
+from moeinfra.moe.layers import RMSNorm
+from moeinfra.moe.mla import MLA, Latent, latent_query
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    """Every test here needs the kernels: this machine (and CI's) has a C++ compiler."""
+    assert cpu_kernels.available(), "moeinfra's CPU kernels did not build"
+
+
+def _off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    assert not cpu_kernels.available()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_equals_torch(dtype, rows):
+    """One rounding of ``x * rsqrt(mean(x^2) + eps) * w``, as ``F.rms_norm``: equal in half
+    precision; in float32 the squares are summed in another order (a last-bit difference)."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 96, generator=g) * 3).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    out = torch.ops.moeinfra.rms_norm(x, w, 1e-6)
+    expected = F.rms_norm(x, (96,), w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert (out == expected).float().mean() >= (0.999 if rows > 100 else 1.0)
+    strided = x.t().contiguous().t()  # same values, columns contiguous
+    assert torch.equal(torch.ops.moeinfra.rms_norm(strided, w, 1e-6), out)
+
+
+def test_rms_norm_module_uses_the_kernel_only_outside_autograd(monkeypatch):
+    calls = []
+    real = torch.ops.moeinfra.rms_norm
+
+    class Spy:
+        def __getattr__(self, name):
+            assert name == "rms_norm"
+            return lambda *a: calls.append(1) or real(*a)
+
+    monkeypatch.setattr(torch.ops, "moeinfra", Spy())
+    norm = RMSNorm(32)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        norm(x)
+    assert calls == [1]
+    y = norm(x.requires_grad_())  # training: torch's operators, with their gradient
+    y.sum().backward()
+    assert calls == [1] and x.grad is not None
+
+
+def _mla_case(dtype, requests, context, seed=0):
+    c = tiny()
+    torch.manual_seed(seed)
+    mla = MLA(c).to(dtype)
+    heads, width = c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim
+    slots_total = requests * context + 7
+    # the cache's rows sit inside wider ones (DeepSeek-V3.2 keeps its index key beside them)
+    wide = torch.randn(slots_total, width + 16).to(dtype)
+    store = wide[:, :width]
+    slots = torch.randperm(slots_total)[: requests * context].view(requests, context)
+    lengths = torch.randint(1, context + 1, (requests,))
+    lengths[0] = context
+    latent = Latent(
+        torch.randn(requests, heads, c.qk_nope_head_dim).to(dtype),
+        torch.randn(requests, heads, c.qk_rope_head_dim).to(dtype),
+        None,
+        None,
+    )
+    return mla, latent, store, slots, lengths
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("requests,context", [(1, 1), (1, 37), (3, 64), (9, 20)])
+def test_mla_decode_equals_the_absorbed_attention_over_gathered_rows(dtype, requests, context):
+    """Read in place through the slots, each request up to its length, in float32: equal to
+    the torch path (gather, masked absorbed attention in float32) up to float rounding."""
+    mla, latent, store, slots, lengths = _mla_case(dtype, requests, context)
+    mask = (torch.arange(context)[None, :] < lengths[:, None])[:, None]
+    with torch.no_grad():
+        w_uk, w_uv_t = mla.absorbed_weights(torch.float32)
+        out = torch.ops.moeinfra.mla_decode(
+            latent.q_nope, latent.q_pe, w_uk, w_uv_t, store, slots, lengths, mla.scale, dtype
+        )
+        query = latent_query(mla, latent, torch.float32)
+        heads_out = _heads_output(mla, query, store, slots, mask)
+    assert out.dtype == dtype and out.shape == heads_out.shape
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), heads_out.float(), rtol=tol, atol=tol)
+
+
+def _heads_output(mla, query, store, slots, mask):
+    """The attention's per-head output before ``wo``: decode_attention with ``wo`` the identity."""
+    wo = mla.wo
+    mla.wo = torch.nn.Identity()
+    try:
+        out = decode_attention(mla, query, store.float(), slots, mask)
+    finally:
+        mla.wo = wo
+    return out.view(query.shape[0], mla.heads, -1)
+
+
+def test_mla_decode_rejects_what_it_cannot_read():
+    mla, latent, store, slots, lengths = _mla_case(torch.float32, 2, 8)
+    w_uk, w_uv_t = mla.absorbed_weights(torch.float32)
+    args = (latent.q_nope, latent.q_pe, w_uk, w_uv_t)
+    with pytest.raises(RuntimeError, match="one query per request"):
+        torch.ops.moeinfra.mla_decode(*args, store, slots[:1], lengths[:1], 1.0, torch.float32)
+    with pytest.raises(RuntimeError, match="float32 absorbed weights"):
+        torch.ops.moeinfra.mla_decode(
+            latent.q_nope,
+            latent.q_pe,
+            w_uk.double(),
+            w_uv_t,
+            store,
+            slots,
+            lengths,
+            1.0,
+            torch.float32,
+        )
+
+
+def _experts(dtype, hidden=64, inter=32, slots=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(slots, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_expert_rows_equal_the_per_row_batched_gemms(dtype, limit):
+    """Runs of one slot's rows (sorted by slot, some slots without rows), SwiGLU (with DeepSeek-V4's
+    clamp) and the down projection: the torch path's intermediate roundings, so half-precision
+    results equal it; float32 up to the order of the sums."""
+    w13, w2 = _experts(dtype)
+    counts = torch.tensor([2, 0, 1, 3, 0, 1])
+    rows = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(1))
+    rows = rows.to(dtype)
+    out = torch.ops.moeinfra.expert_rows(rows, torch.repeat_interleave(counts), w13, w2, limit)
+    with torch.no_grad():
+        expected = _padded_expert_gemms(rows, counts, w13, w2, limit)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out, expected, rtol=0.02, atol=2e-3)
+        assert (out == expected).float().mean() > 0.95
+
+
+def test_expert_rows_read_each_rows_own_slot():
+    """Rows of one slot apart from each other (not sorted) each use their own slot's weights."""
+    w13, w2 = _experts(torch.float32)
+    rows = torch.randn(4, 64)
+    slots = torch.tensor([3, 1, 3, 0])
+    out = torch.ops.moeinfra.expert_rows(rows, slots, w13, w2, None)
+    for i, s in enumerate(slots.tolist()):
+        gate_, up = (rows[i] @ w13[s].t()).chunk(2)
+        torch.testing.assert_close(out[i], (F.silu(gate_) * up) @ w2[s].t(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+@pytest.mark.parametrize(
+    "groups,bias,normalize", [(4, True, None), (1, True, False), (4, False, None)]
+)
+def test_route_equals_torch(monkeypatch, tokens, groups, bias, normalize):
+    """Sigmoid scores, the selection bias, group-limited top-k (sum of a group's two best with a
+    bias, its best without), weights unbiased, normalised and scaled: the same experts in the
+    same order and the same weights up to float rounding (random scores have no ties)."""
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, 32, generator=g)
+    b = torch.randn(32, generator=g) * 0.3 if bias else None
+    kw = dict(
+        top_k=4,
+        num_groups=groups,
+        groups_per_token=min(2, groups),
+        scaling_factor=2.5,
+        normalize=normalize,
+    )
+    weights, indices = gate.route(logits, b, **kw)
+    _off(monkeypatch)
+    expected_weights, expected_indices = gate.route(logits, b, **kw)
+    assert torch.equal(indices, expected_indices)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_orders_equal_scores_by_expert_index():
+    logits = torch.zeros(1, 8)
+    logits[0, [5, 2, 6]] = 1.0
+    weights, indices = gate.route(
+        logits, None, top_k=3, num_groups=1, groups_per_token=1, scaling_factor=1.0
+    )
+    assert indices.tolist() == [[2, 5, 6]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_equals_the_complex_product(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, generator=g).to(dtype)
+    cis = torch.polar(torch.ones(5, 8), torch.randn(5, 8, generator=g) * 3)
+    out = rope.rotate_cis(x, cis)
+    _off(monkeypatch)
+    expected = rope.rotate_cis(x, cis)
+    tol = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (0.01, 0.01), torch.float16: (1e-3, 1e-3)}
+    torch.testing.assert_close(out, expected, rtol=tol[dtype][0], atol=tol[dtype][1])
+
+
+def test_without_a_compiler_the_torch_operators_run(tmp_path):
+    """No compiler: a warning, ``available()`` False, and a model still runs (torch operators)."""
+    code = (
+        "import warnings, torch\n"
+        "from moeinfra.moe import cpu_kernels\n"
+        "from moeinfra.moe.layers import RMSNorm\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(cpu_kernels.available())\n"
+        "print(any('could not be built' in str(w.message) for w in caught))\n"
+        "with torch.no_grad():\n"
+        "    print(round(RMSNorm(8)(torch.ones(2, 8)).sum().item(), 3))\n"
+    )
+    env = {**os.environ, "CXX": "no-such-compiler", "MOEINFRA_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True", "16.0"]
+    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_the_library_is_built_once_per_source_torch_and_cpu(tmp_path, monkeypatch):
+    """Cached under ``$MOEINFRA_CACHE/kernels`` by a key of the source, torch's version, the
+    compiler's command and the CPU: a second build() is the same file, not a new compile."""
+    monkeypatch.setenv("MOEINFRA_CACHE", str(tmp_path))
+    first = cpu_kernels.build()
+    built_at = first.stat().st_mtime_ns
+    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == built_at
+    assert [p.name for p in first.parent.iterdir() if not p.name.startswith(".")] == [first.name]
