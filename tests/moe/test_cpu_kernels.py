@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -46,8 +47,20 @@ def test_rms_norm_equals_torch(dtype, rows):
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     else:
         assert (out == expected).float().mean() >= (0.999 if rows > 100 else 1.0)
-    strided = x.t().contiguous().t()  # same values, columns contiguous
+    strided = torch.cat([x, x], dim=1)[:, :96]  # same values, rows 192 apart
+    assert rows == 1 or not strided.is_contiguous()
     assert torch.equal(torch.ops.moeinfra.rms_norm(strided, w, 1e-6), out)
+
+
+def test_float64_and_gradients_stay_with_torch():
+    """The kernels compute in float32: float64 inputs, and inputs autograd needs, are not theirs."""
+    assert not cpu_kernels.usable(torch.ones(2, dtype=torch.float64))
+    assert not cpu_kernels.usable(torch.ones(2), torch.ones(2, requires_grad=True))
+    with torch.no_grad():
+        assert cpu_kernels.usable(torch.ones(2), torch.ones(2, requires_grad=True))
+        x = torch.randn(3, 8, dtype=torch.float64)
+        expected = F.rms_norm(x, (8,), torch.ones(8, dtype=torch.float64), 1e-6)
+        assert torch.equal(RMSNorm(8).double()(x), expected)
 
 
 def test_rms_norm_module_uses_the_kernel_only_outside_autograd(monkeypatch):
@@ -70,8 +83,10 @@ def test_rms_norm_module_uses_the_kernel_only_outside_autograd(monkeypatch):
     assert calls == [1] and x.grad is not None
 
 
-def _mla_case(dtype, requests, context, seed=0):
+def _mla_case(dtype, requests, context, seed=0, heads=None):
     c = tiny()
+    if heads is not None:
+        c = dataclasses.replace(c, num_attention_heads=heads)
     torch.manual_seed(seed)
     mla = MLA(c).to(dtype)
     heads, width = c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim
@@ -82,21 +97,37 @@ def _mla_case(dtype, requests, context, seed=0):
     slots = torch.randperm(slots_total)[: requests * context].view(requests, context)
     lengths = torch.randint(1, context + 1, (requests,))
     lengths[0] = context
-    latent = Latent(
-        torch.randn(requests, heads, c.qk_nope_head_dim).to(dtype),
-        torch.randn(requests, heads, c.qk_rope_head_dim).to(dtype),
-        None,
-        None,
-    )
-    return mla, latent, store, slots, lengths
+    # the queries are views of one projection, as MLA's are
+    q = torch.randn(requests, heads, c.qk_nope_head_dim + c.qk_rope_head_dim).to(dtype)
+    q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+    return mla, Latent(q_nope, q_pe, None, None), store, slots, lengths
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("requests,context", [(1, 1), (1, 37), (3, 64), (9, 20)])
-def test_mla_decode_equals_the_absorbed_attention_over_gathered_rows(dtype, requests, context):
+@pytest.mark.parametrize(
+    "requests,context,heads,threads",
+    [(1, 1, None, None), (1, 37, None, None), (3, 64, None, None), (9, 20, None, None),
+     (3, 16, 8, 8), (5, 16, 8, 16), (3, 16, 16, 16), (2, 16, 7, 5)],
+)  # fmt: skip
+def test_mla_decode_equals_the_absorbed_attention_over_gathered_rows(
+    dtype, requests, context, heads, threads
+):
     """Read in place through the slots, each request up to its length, in float32: equal to
-    the torch path (gather, masked absorbed attention in float32) up to float rounding."""
-    mla, latent, store, slots, lengths = _mla_case(dtype, requests, context)
+    the torch path (gather, masked absorbed attention in float32) up to float rounding; also
+    with a request's heads split over more threads than heads (8 heads, 3 requests, 8 threads:
+    4 groups of 2 heads)."""
+    mla, latent, store, slots, lengths = _mla_case(dtype, requests, context, heads=heads)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _check_mla_decode(dtype, mla, latent, store, slots, lengths)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_mla_decode(dtype, mla, latent, store, slots, lengths):
+    context = slots.shape[1]
     mask = (torch.arange(context)[None, :] < lengths[:, None])[:, None]
     with torch.no_grad():
         w_uk, w_uv_t = mla.absorbed_weights(torch.float32)
@@ -124,21 +155,22 @@ def _heads_output(mla, query, store, slots, mask):
 def test_mla_decode_rejects_what_it_cannot_read():
     mla, latent, store, slots, lengths = _mla_case(torch.float32, 2, 8)
     w_uk, w_uv_t = mla.absorbed_weights(torch.float32)
-    args = (latent.q_nope, latent.q_pe, w_uk, w_uv_t)
+    q, f32 = (latent.q_nope, latent.q_pe), torch.float32
+    decode = torch.ops.moeinfra.mla_decode
     with pytest.raises(RuntimeError, match="one query per request"):
-        torch.ops.moeinfra.mla_decode(*args, store, slots[:1], lengths[:1], 1.0, torch.float32)
+        decode(*q, w_uk, w_uv_t, store, slots[:1], lengths[:1], 1.0, f32)
     with pytest.raises(RuntimeError, match="float32 absorbed weights"):
-        torch.ops.moeinfra.mla_decode(
-            latent.q_nope,
-            latent.q_pe,
-            w_uk.double(),
-            w_uv_t,
-            store,
-            slots,
-            lengths,
-            1.0,
-            torch.float32,
-        )
+        decode(*q, w_uk.double(), w_uv_t, store, slots, lengths, 1.0, f32)
+    with pytest.raises(RuntimeError, match="disagree"):
+        decode(*q, w_uk[:, :-1], w_uv_t, store, slots, lengths, 1.0, f32)
+    with pytest.raises(RuntimeError, match=r"lengths must lie in \[1, 8\], got 9"):
+        decode(*q, w_uk, w_uv_t, store, slots, torch.tensor([9, 1]), 1.0, f32)
+    with pytest.raises(RuntimeError, match="lengths must lie"):
+        decode(*q, w_uk, w_uv_t, store, slots, torch.zeros_like(lengths), 1.0, f32)
+    with pytest.raises(RuntimeError, match="a slot outside the store"):
+        decode(*q, w_uk, w_uv_t, store[:3], slots, lengths, 1.0, f32)
+    none = decode(q[0][:0], q[1][:0], w_uk, w_uv_t, store, slots[:0], lengths[:0], 1.0, f32)
+    assert none.shape == (0, mla.heads, mla.config.v_head_dim)
 
 
 def _experts(dtype, hidden=64, inter=32, slots=6, seed=0):
@@ -167,6 +199,12 @@ def test_expert_rows_equal_the_per_row_batched_gemms(dtype, limit):
     else:
         torch.testing.assert_close(out, expected, rtol=0.02, atol=2e-3)
         assert (out == expected).float().mean() > 0.95
+
+
+def test_expert_rows_reject_a_slot_they_do_not_hold():
+    w13, w2 = _experts(torch.float32)
+    with pytest.raises(RuntimeError, match="slot 6 outside the 6 slots"):
+        torch.ops.moeinfra.expert_rows(torch.randn(2, 64), torch.tensor([0, 6]), w13, w2, None)
 
 
 def test_expert_rows_read_each_rows_own_slot():
@@ -216,10 +254,14 @@ def test_route_orders_equal_scores_by_expert_index():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_equals_the_complex_product(monkeypatch, dtype):
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_rope_equals_the_complex_product(monkeypatch, dtype, conjugate):
+    """Also for a conjugated table (DeepSeek-V4 rotates its outputs back with ``cis.conj()``)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 16, generator=g).to(dtype)
     cis = torch.polar(torch.ones(5, 8), torch.randn(5, 8, generator=g) * 3)
+    if conjugate:
+        cis = cis.conj()
     out = rope.rotate_cis(x, cis)
     _off(monkeypatch)
     expected = rope.rotate_cis(x, cis)
@@ -249,12 +291,33 @@ def test_without_a_compiler_the_torch_operators_run(tmp_path):
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
-def test_the_library_is_built_once_per_source_torch_and_cpu(tmp_path, monkeypatch):
-    """Cached under ``$MOEINFRA_CACHE/kernels`` by a key of the source, torch's version, the
-    compiler's command and the CPU: a second build() is the same file, not a new compile."""
+def test_the_library_is_built_once_and_anew_when_it_does_not_load(tmp_path, monkeypatch):
+    """Cached under ``$MOEINFRA_CACHE/kernels``: a second build() is the same file, not a new
+    compile; ``rebuild`` (what loading a truncated library falls back to) compiles it again."""
     monkeypatch.setenv("MOEINFRA_CACHE", str(tmp_path))
     first = cpu_kernels.build()
     built_at = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == built_at
     assert [p.name for p in first.parent.iterdir() if not p.name.startswith(".")] == [first.name]
+    first.write_bytes(b"truncated")
+    assert cpu_kernels.build(rebuild=True) == first and first.stat().st_size > 10_000
+
+
+def test_the_cache_key_follows_the_source_torch_the_command_and_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEINFRA_CACHE", str(tmp_path))
+    command = ["g++", "-O3"]
+    base = cpu_kernels.library_path(command)
+    assert cpu_kernels.library_path(["g++", "-O2"]) != base
+    source = tmp_path / "k.cpp"
+    source.write_text(cpu_kernels.SOURCE.read_text() + "// edited\n")
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "SOURCE", source)
+        assert cpu_kernels.library_path(command) != base
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "0.0.0")
+        assert cpu_kernels.library_path(command) != base
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : sse2")
+        assert cpu_kernels.library_path(command) != base
+    assert cpu_kernels.library_path(command) == base

@@ -207,7 +207,9 @@ def paged_mla_attention(
     width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
     store = cached[:, :width] if sparse else cached
     if not plan.chunks and not plan.sparse and not plan.short:  # decode only: rows in order
-        if _small_decode(mla, latent, store, plan.decode_slots) and cpu_kernels.usable(store):
+        if _small_decode(mla, latent, store, plan.decode_slots) and cpu_kernels.usable(
+            store, latent.q_nope, latent.q_pe, mla.wkv_b.weight
+        ):
             return fused_decode_attention(mla, latent, store, plan)
         query = latent_query(mla, latent, decode_dtype(mla, latent, store, plan.decode_slots))
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)

@@ -51,21 +51,29 @@ def available() -> bool:
     return enabled() and _load()
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
+
+
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel may run on ``tensors``: on the CPU, outside autograd, kernels available."""
+    """Whether a kernel may run on ``tensors`` (every input that may need a gradient among them):
+    on the CPU, in float32, bfloat16 or float16 (they compute in float32: not for float64), outside
+    autograd, kernels available."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return all(t.device.type == "cpu" for t in tensors) and available()
+    return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors) and available()
 
 
 @functools.cache
 def _load() -> bool:
     try:
-        torch.ops.load_library(str(build()))
-    except (OSError, subprocess.CalledProcessError) as error:
+        try:
+            torch.ops.load_library(str(build()))
+        except OSError:  # a cached library that does not load (truncated, foreign): built anew
+            torch.ops.load_library(str(build(rebuild=True)))
+    except Exception as error:  # noqa: BLE001 (whatever fails, the torch operators still run)
         detail = getattr(error, "stderr", None) or error
         warnings.warn(
-            f"moeinfra's CPU kernels could not be built ({str(detail).strip()[-400:]}); "
+            f"moeinfra's CPU kernels could not be built or loaded ({str(detail).strip()[-400:]}); "
             "running torch operators instead",
             RuntimeWarning,
             stacklevel=3,
@@ -74,21 +82,21 @@ def _load() -> bool:
     return True
 
 
-def build() -> Path:
-    """The kernels' shared library for this torch and CPU, compiled unless already cached."""
-    root = Path(os.environ.get("MOEINFRA_CACHE", Path.home() / ".cache" / "moeinfra")) / "kernels"
+def build(rebuild: bool = False) -> Path:
+    """The kernels' shared library for this torch and CPU, compiled unless already cached (or
+    ``rebuild``)."""
     compiler = os.environ.get("CXX", "g++")
     command = _command(compiler)
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), torch.__version__, *command, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    library = root / f"moeinfra_cpu_{key}.so"
+    library = library_path(command)
+    root = library.parent
+    if rebuild:
+        library.unlink(missing_ok=True)
     if library.is_file():
         return library
     if shutil.which(compiler) is None:
         raise OSError(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "w") as lock:
+    with open(root / f".{library.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together build it once
         if not library.is_file():
             with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -101,6 +109,18 @@ def build() -> Path:
                 )
                 built.replace(library)
     return library
+
+
+def library_path(command: list[str]) -> Path:
+    """Where the library built by ``command`` is cached: ``$MOEINFRA_CACHE`` (default
+    ``~/.cache/moeinfra``)``/kernels``, under a key of the source, torch's version, the command
+    and the CPU's flags."""
+    cache = os.environ.get("MOEINFRA_CACHE")
+    root = Path(cache) if cache else Path.home() / ".cache" / "moeinfra"
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), torch.__version__, *command, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    return root / "kernels" / f"moeinfra_cpu_{key}.so"
 
 
 def _command(compiler: str) -> list[str]:

@@ -162,7 +162,7 @@ def rotate_cis(x: torch.Tensor, cis: torch.Tensor, interleaved: bool = True) -> 
     2,048 tokens' in bfloat16; float32 results within an ulp)."""
     if not interleaved:
         return rotate(x, cis.real, cis.imag, interleaved=False)
-    if cpu_kernels.usable(x):
+    if cis.dtype == torch.complex64 and cpu_kernels.usable(x, cis):
         return torch.ops.moeinfra.rope(x, cis)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1] // 2,)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())

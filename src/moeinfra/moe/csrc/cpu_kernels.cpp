@@ -56,8 +56,9 @@ void mla_decode_kernel(const float* q_nope, const float* q_pe, const float* w_uk
                        int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t value,
                        int64_t context, float scale) {
   const int64_t width = rank + rope, threads = at::get_num_threads();
-  const int64_t groups = std::clamp<int64_t>((2 * threads + requests - 1) / requests, 1, heads);
-  const int64_t per_group = (heads + groups - 1) / groups;
+  const int64_t wanted = std::clamp<int64_t>((2 * threads + requests - 1) / requests, 1, heads);
+  const int64_t per_group = (heads + wanted - 1) / wanted;
+  const int64_t groups = (heads + per_group - 1) / per_group;  // none empty
   const int64_t task_macs = per_group * (context * (width + rank) + (nope + value) * rank);
   at::parallel_for(0, requests * groups, grain_of(task_macs), [&](int64_t begin, int64_t end) {
     std::vector<float> query(per_group * width), scores(per_group * context),
@@ -126,16 +127,30 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   TORCH_CHECK(store.size(1) >= rank + rope, "mla_decode: store rows narrower than rank + rope");
   TORCH_CHECK(w_uk.scalar_type() == at::kFloat && w_uv_t.scalar_type() == at::kFloat,
               "mla_decode: float32 absorbed weights");
+  TORCH_CHECK(q_pe.size(0) == requests && q_pe.size(1) == heads && w_uk.size(0) == heads &&
+                  w_uk.size(1) == nope && w_uv_t.size(0) == heads && w_uv_t.size(1) == rank,
+              "mla_decode: q_nope, q_pe, w_uk and w_uv_t disagree on heads or widths");
+  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
+  if (requests == 0 || heads == 0) return out.to(out_dtype);
   auto qn = q_nope.to(at::kFloat).contiguous(), qp = q_pe.to(at::kFloat).contiguous();
   auto wk = w_uk.contiguous(), wv = w_uv_t.contiguous();
   auto sl = slots.to(at::kLong).contiguous(), len = lengths.to(at::kLong).contiguous();
-  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
+  const int64_t context = sl.size(1), cached = store.size(0);
+  const int64_t* lp = len.data_ptr<int64_t>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t r = 0; r < requests; ++r) {
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= context, "mla_decode: lengths must lie in [1, ", context,
+                "], got ", lp[r]);
+    for (int64_t l = 0; l < lp[r]; ++l)
+      TORCH_CHECK(sp[r * context + l] >= 0 && sp[r * context + l] < cached,
+                  "mla_decode: a slot outside the store's ", cached, " rows");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, store.scalar_type(), "mla_decode", [&] {
     mla_decode_kernel<scalar_t>(qn.data_ptr<float>(), qp.data_ptr<float>(), wk.data_ptr<float>(),
                                 wv.data_ptr<float>(), store.data_ptr<scalar_t>(), store.stride(0),
                                 sl.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
                                 out.data_ptr<float>(), requests, heads, nope, rope, rank, value,
-                                sl.size(1), static_cast<float>(scale));
+                                context, static_cast<float>(scale));
   });
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
@@ -245,6 +260,10 @@ at::Tensor expert_rows(const at::Tensor& rows, const at::Tensor& slots, const at
   auto a = w13.contiguous(), b = w2.contiguous();
   auto out = at::empty_like(x);
   const int64_t n = x.size(0), hidden = x.size(1), inter = w2.size(2);
+  const int64_t* sp = s.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < w13.size(0), "expert_rows: slot ", sp[r], " outside the ",
+                w13.size(0), " slots");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_rows", [&] {
     expert_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), s.data_ptr<int64_t>(),
                                  a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
@@ -293,8 +312,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cis) {
   return out;
 }
 
-// ---- DeepSeek-V3's router: sigmoid scores, selection bias, group-limited top-k
-// -------------------
+// ---- DeepSeek-V3's router: sigmoid scores, selection bias, group-limited top-k ----------------
 
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits,
                                          const std::optional<at::Tensor>& bias, int64_t top_k,
@@ -304,8 +322,8 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits,
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
               "route: float32 logits [T, E]");
   const int64_t tokens = logits.size(0), experts = logits.size(1);
-  TORCH_CHECK(num_groups > 0 && experts % num_groups == 0 && groups_per_token <= num_groups &&
-                  top_k <= experts,
+  TORCH_CHECK(num_groups > 0 && experts % num_groups == 0 && groups_per_token >= 0 &&
+                  groups_per_token <= num_groups && top_k >= 0 && top_k <= experts,
               "route: groups must divide the experts, top_k at most their number");
   auto l = logits.contiguous();
   at::Tensor b;
