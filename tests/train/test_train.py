@@ -48,9 +48,9 @@ def test_stages_share_the_models_modules():
     assert layers == list(model.blocks)
     ids = torch.randint(0, 1024, (2, 8))
     x = (ids, ids)
-    for stage in cut:
-        x = stage(*x)
-    with torch.no_grad():
+    with torch.no_grad():  # both alike (outside autograd the CPU kernels round their own way)
+        for stage in cut:
+            x = stage(*x)
         direct = model(ids, ids)
     assert all(torch.allclose(a, b) for a, b in zip(x, direct, strict=True))
 
