@@ -15,7 +15,7 @@ from moeinfra.engine.attention import decode_attention
 from moeinfra.moe import cpu_kernels, gate, rope
 from moeinfra.moe.config import tiny
 from moeinfra.moe.expert_parallel import _padded_expert_gemms
-from moeinfra.moe.layers import RMSNorm
+from moeinfra.moe.layers import RMSNorm, combine_pairs
 from moeinfra.moe.mla import MLA, Latent, latent_query
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -321,3 +321,58 @@ def test_the_cache_key_follows_the_source_torch_the_command_and_the_cpu(tmp_path
         m.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : sse2")
         assert cpu_kernels.library_path(command) != base
     assert cpu_kernels.library_path(command) == base
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_rows_with_combine_weights_sum_each_tokens_pairs(dtype):
+    """Pairs ``token * k + j`` read their token's row; the output is each token's pairs summed
+    with its gate weights, rounded as ``combine_pairs`` rounds them: the sort, the per-pair rows
+    and the weighted sum of the expert-parallel path in one."""
+    w13, w2 = _experts(dtype)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randn(3, 64, generator=g).to(dtype)
+    pair_slots = torch.tensor([4, 0, 2, 1, 4, 5])  # 3 tokens, k = 2, in pair order
+    weights = torch.rand(3, 2, generator=g) * 2
+    out = torch.ops.moeinfra.expert_rows(tokens, pair_slots, w13, w2, None, weights)
+    pairs = torch.ops.moeinfra.expert_rows(
+        tokens.repeat_interleave(2, 0), pair_slots, w13, w2, None
+    )
+    expected = combine_pairs(pairs.view(3, 2, 64), weights)
+    assert out.shape == tokens.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    else:
+        assert (out == expected).float().mean() >= 0.97
+        torch.testing.assert_close(out, expected, rtol=0.02, atol=2e-3)
+    with pytest.raises(RuntimeError, match="combine weights"):
+        torch.ops.moeinfra.expert_rows(tokens, pair_slots, w13, w2, None, weights[:2])
+
+
+def test_one_rank_few_pairs_run_fused_with_the_combine(monkeypatch):
+    """An expert-parallel layer on one rank: a few tokens' pairs take the fused path (no sort,
+    no per-pair rows) and give the unfused path's output; more pairs than the kernel's limit do not."""
+    import numpy as np
+
+    from moeinfra.eplb import rebalance
+    from moeinfra.moe.expert_parallel import ExpertParallelMoE
+    from moeinfra.moe.layers import build_moe
+
+    config = tiny()
+    moe = build_moe(config, seed=4)
+    plan = rebalance(np.ones((1, config.num_routed_experts)), config.num_routed_experts, 1, 1, 1)
+    layer = ExpertParallelMoE(moe, plan, 0)
+    x = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        weights, indices = layer.gate(x)
+        routed = layer.dispatch(x, weights, indices)
+        assert routed.order is None and routed.pair_slots is not None
+        fused = layer.finish_combine(routed, layer.combine(routed, layer.compute_experts(routed)))
+        wide = torch.randn(40, config.hidden_size)
+        assert layer.dispatch(wide, *layer.gate(wide)).order is not None
+        monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+        routed = layer.dispatch(x, weights, indices)
+        assert routed.pair_slots is None
+        unfused = layer.finish_combine(routed, layer.combine(routed, layer.compute_experts(routed)))
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(fused, moe(x) - moe.shared(x), rtol=1e-5, atol=1e-6)

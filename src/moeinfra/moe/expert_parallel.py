@@ -37,14 +37,17 @@ class Routed:
     ``order [P]``: pair index (``token * k + j``) of each sent row, rows sorted by slot;
     ``send_splits [world]``: rows sent to each peer; ``pending``: the dispatch in flight;
     ``weights [T, k]``; ``recv_splits [world]`` rows received from each peer (known after the wait).
+    ``pair_slots [T * k]``: set (``order`` None) when the experts run fused with the combine, on
+    one rank for a few pairs: the tokens are not copied per pair, the experts' output is the sum.
     """
 
-    order: torch.Tensor
+    order: torch.Tensor | None
     weights: torch.Tensor
     send_splits: list[int]
     pending: Pending
     name: str
     recv_splits: list[int] | None = None
+    pair_slots: torch.Tensor | None = None
 
 
 def _flat_expert(expert: Expert) -> torch.Tensor:
@@ -160,6 +163,9 @@ class ExpertParallelMoE(nn.Module):
             # Interleaved global token ids (local index * world + rank) need no exchange and differ
             # between ranks, so every rank starts each expert's replicas at a different one.
             slots = self._slots_of(indices)
+            if world == 1 and self._fused_pairs(x, slots):
+                pending = self.comm.dispatch(x, slots, name)  # one rank: nothing moves
+                return Routed(None, weights, [x.shape[0]], pending, name, pair_slots=slots)
             order = torch.argsort(slots, stable=True)
             slot_counts = torch.bincount(slots, minlength=world * s)
         with rec.compute(f"{name}.pack"):
@@ -170,6 +176,16 @@ class ExpertParallelMoE(nn.Module):
             rows = x.index_select(0, order // top_k)
         pending = self.comm.dispatch(rows, slot_counts, name)
         return Routed(order, weights, send_splits, pending, name)
+
+    def _fused_pairs(self, x: torch.Tensor, pair_slots: torch.Tensor) -> bool:
+        """Whether one rank's few routed pairs (at most :data:`KERNEL_EXPERT_ROWS`) run their
+        experts and the gate-weighted sum as one CPU kernel (``expert_rows`` with ``combine``), in
+        place of the sort, the per-pair copy of the tokens, the experts and the weighted sum
+        (~150 us a layer for one token's 4 pairs of the small benchmark checkpoint, bfloat16)."""
+        if not 0 < pair_slots.numel() <= KERNEL_EXPERT_ROWS:
+            return False
+        stacked = self._stacked_weights()
+        return stacked is not None and _kernel_rows(x, stacked[0])
 
     def _slots_of(self, indices: torch.Tensor) -> torch.Tensor:
         """``[T * k]`` physical slot of every routed pair of ``indices [T, k]``."""
@@ -191,6 +207,13 @@ class ExpertParallelMoE(nn.Module):
     def compute_experts(self, routed: Routed) -> torch.Tensor:
         """Wait for the dispatch, run the local experts on the received rows -> ``[N, H]``."""
         rows, recv_counts = routed.pending.wait()
+        if routed.pair_slots is not None:  # see _fused_pairs
+            routed.recv_splits = [rows.shape[0]]
+            w13, w2 = self._stacked_weights()
+            limit = self.config.swiglu_limit
+            return torch.ops.moeinfra.expert_rows(
+                rows, routed.pair_slots, w13, w2, limit, routed.weights
+            )
         world, s = self.comm.world_size, self.slots_per_rank
         recv_counts = recv_counts.view(world, s)
         routed.recv_splits = [rows.shape[0]] if world == 1 else recv_counts.sum(1).tolist()
@@ -276,6 +299,8 @@ class ExpertParallelMoE(nn.Module):
     def finish_combine(self, routed: Routed, pending: Pending) -> torch.Tensor:
         """Wait for the combine and sum each token's copies with its gate weights -> ``[T, H]``."""
         back, _ = pending.wait()
+        if routed.pair_slots is not None:  # summed already
+            return back
         num_tokens, top_k = routed.weights.shape
         # each pair's row of ``back`` (sorted by slot): a gather, ~8x as fast as scattering
         # ``back`` to ``pairs[order]`` on the CPU

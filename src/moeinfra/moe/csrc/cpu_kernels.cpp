@@ -196,10 +196,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 // Rows of one slot that follow each other form a run; a task is (run, block of 64 output columns):
-// each weight row is read once per run, for all of the run's rows.
+// each weight row is read once per run, for all of the run's rows. With `combine` ([T, k] gate
+// weights), the n = T * k rows are routed pairs, pair p reads row p / k and the output is each
+// token's weighted sum over its k pairs, rounded as torch's combine_pairs (a bmm with the weights
+// cast to T) rounds it.
 template <typename T>
 void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const T* w2, T* out,
-                        int64_t n, int64_t hidden, int64_t inter, float limit, bool limited) {
+                        int64_t n, int64_t hidden, int64_t inter, float limit, bool limited,
+                        const float* combine, int64_t top_k) {
+  const int64_t per_row = combine ? top_k : 1;
   std::vector<int64_t> starts;
   for (int64_t r = 0; r < n; ++r)
     if (r == 0 || slots[r] != slots[r - 1]) starts.push_back(r);
@@ -215,7 +220,10 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
       const int64_t r0 = starts[run], count = starts[run + 1] - r0,
                     last = std::min(inter, first + block);
       x.resize(count * hidden);
-      for (int64_t i = 0; i < count * hidden; ++i) x[i] = static_cast<float>(rows[r0 * hidden + i]);
+      for (int64_t r = 0; r < count; ++r) {
+        const T* source = rows + (r0 + r) / per_row * hidden;
+        for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = static_cast<float>(source[i]);
+      }
       const T* w = w13 + slots[r0] * 2 * inter * hidden;
       for (int64_t j = first; j < last; ++j) {
         for (int64_t r = 0; r < count; ++r) {
@@ -232,6 +240,27 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
   });
   // down projection
   const int64_t out_blocks = (hidden + block - 1) / block;
+  if (combine) {  // tasks: (token, block of 64 output columns)
+    const int64_t tokens = n / top_k;
+    at::parallel_for(
+        0, tokens * out_blocks, grain_of(block * inter * top_k), [&](int64_t begin, int64_t end) {
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t t = task / out_blocks, first = task % out_blocks * block;
+            const int64_t last = std::min(hidden, first + block);
+            for (int64_t k = first; k < last; ++k) {
+              float total = 0.f;
+              for (int64_t j = 0; j < top_k; ++j) {
+                const int64_t p = t * top_k + j;
+                const T* w = w2 + slots[p] * hidden * inter + k * inter;
+                total +=
+                    round_to<T>(combine[p]) * round_to<T>(dot(act.data() + p * inter, w, inter));
+              }
+              out[t * hidden + k] = static_cast<T>(total);
+            }
+          }
+        });
+    return;
+  }
   at::parallel_for(0, runs * out_blocks, grain_of(block * inter), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / out_blocks, first = task % out_blocks * block;
@@ -246,10 +275,20 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
 }
 
 at::Tensor expert_rows(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& w13,
-                       const at::Tensor& w2, std::optional<double> limit) {
+                       const at::Tensor& w2, std::optional<double> limit,
+                       const std::optional<at::Tensor>& combine) {
   for (auto* t : {&rows, &slots, &w13, &w2}) check_cpu(*t, "expert_rows' tensors");
-  TORCH_CHECK(rows.dim() == 2 && slots.dim() == 1 && slots.size(0) == rows.size(0),
-              "expert_rows: rows [N, H], slots [N]");
+  at::Tensor c;
+  int64_t top_k = 1;
+  if (combine.has_value()) {
+    check_cpu(*combine, "expert_rows' combine weights");
+    TORCH_CHECK(combine->dim() == 2 && combine->size(0) == rows.size(0),
+                "expert_rows: combine weights [T, k] for rows [T, H]");
+    c = combine->to(at::kFloat).contiguous();
+    top_k = c.size(1);
+  }
+  TORCH_CHECK(rows.dim() == 2 && slots.dim() == 1 && slots.size(0) == rows.size(0) * top_k,
+              "expert_rows: rows [N, H] and slots [N], or [T * k] with combine weights [T, k]");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(2) == rows.size(1) &&
                   w2.size(1) == rows.size(1) && w13.size(1) == 2 * w2.size(2) &&
                   w13.size(0) == w2.size(0),
@@ -259,7 +298,8 @@ at::Tensor expert_rows(const at::Tensor& rows, const at::Tensor& slots, const at
   auto x = rows.contiguous(), s = slots.to(at::kLong).contiguous();
   auto a = w13.contiguous(), b = w2.contiguous();
   auto out = at::empty_like(x);
-  const int64_t n = x.size(0), hidden = x.size(1), inter = w2.size(2);
+  const int64_t n = s.size(0), hidden = x.size(1), inter = w2.size(2);
+  if (n == 0) return out.zero_();
   const int64_t* sp = s.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < w13.size(0), "expert_rows: slot ", sp[r], " outside the ",
@@ -268,7 +308,8 @@ at::Tensor expert_rows(const at::Tensor& rows, const at::Tensor& slots, const at
     expert_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), s.data_ptr<int64_t>(),
                                  a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
                                  out.data_ptr<scalar_t>(), n, hidden, inter,
-                                 static_cast<float>(limit.value_or(0.)), limit.has_value());
+                                 static_cast<float>(limit.value_or(0.)), limit.has_value(),
+                                 c.defined() ? c.data_ptr<float>() : nullptr, top_k);
   });
   return out;
 }
@@ -395,7 +436,9 @@ TORCH_LIBRARY(moeinfra, m) {
       "mla_decode(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor w_uv_t, Tensor store, "
       "Tensor slots, Tensor lengths, float scale, ScalarType out_dtype) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("expert_rows(Tensor rows, Tensor slots, Tensor w13, Tensor w2, float? limit) -> Tensor");
+  m.def(
+      "expert_rows(Tensor rows, Tensor slots, Tensor w13, Tensor w2, float? limit, "
+      "Tensor? combine=None) -> Tensor");
   m.def("rope(Tensor x, Tensor cis) -> Tensor");
   m.def(
       "route(Tensor logits, Tensor? bias, int top_k, int num_groups, int groups_per_token, "
