@@ -38,7 +38,8 @@ class Routed:
     ``send_splits [world]``: rows sent to each peer; ``pending``: the dispatch in flight;
     ``weights [T, k]``; ``recv_splits [world]`` rows received from each peer (known after the wait).
     ``pair_slots [T * k]``: set (``order`` None) when the experts run fused with the combine, on
-    one rank for a few pairs: the tokens are not copied per pair, the experts' output is the sum.
+    one rank for a few pairs: the dispatch carries the tokens themselves (not a row per pair; its
+    counts per slot as always) and the experts' output is already each token's sum.
     """
 
     order: torch.Tensor | None
@@ -163,11 +164,11 @@ class ExpertParallelMoE(nn.Module):
             # Interleaved global token ids (local index * world + rank) need no exchange and differ
             # between ranks, so every rank starts each expert's replicas at a different one.
             slots = self._slots_of(indices)
+            slot_counts = torch.bincount(slots, minlength=world * s)
             if world == 1 and self._fused_pairs(x, slots):
-                pending = self.comm.dispatch(x, slots, name)  # one rank: nothing moves
+                pending = self.comm.dispatch(x, slot_counts, name)  # the tokens, not per pair
                 return Routed(None, weights, [x.shape[0]], pending, name, pair_slots=slots)
             order = torch.argsort(slots, stable=True)
-            slot_counts = torch.bincount(slots, minlength=world * s)
         with rec.compute(f"{name}.pack"):
             # one rank sends everything to itself: no host round trip for the split
             send_splits = (
