@@ -8,15 +8,18 @@ torch operators (``torch.ops.moeinfra.*``):
 
 - ``mla_decode``: absorbed MLA attention of one query per request straight from the paged cache's
   slots (no gathered context, no padded mask), float32 inside;
+- ``expert_rows``: the SwiGLU experts of a few rows, each run of one slot's rows reading that slot's
+  stacked weights in place (no weight gather); given the gate weights, a token's routed pairs and
+  their weighted sum (one rank: no sort, no per-pair copies);
+- ``route``: DeepSeek-V3's sigmoid routing (scores, bias, group-limited top-k, weights);
 - ``rms_norm``: RMSNorm rounding as ``torch.nn.functional.rms_norm`` does;
-- ``expert_rows``: the SwiGLU experts of a few rows, each with its own slot's stacked weights
-  (no weight gather).
+- ``rope``: the interleaved rotary embedding.
 
-They are compiled with the machine's C++ compiler (``$CXX``, default ``g++``) against the installed
-torch the first time a process needs them (~15 s), into ``$MOEINFRA_CACHE`` (default
-``~/.cache/moeinfra``)``/kernels``, and reused after. Where that fails (no compiler) or with
-``MOEINFRA_CPU_KERNELS=0``, every caller runs its torch operators instead, with the same results up
-to float rounding; :func:`available` says which.
+Their callers say when each runs. They are compiled with the machine's C++ compiler (``$CXX``,
+default ``g++``) against the installed torch the first time a process needs them (~10 s), into
+``$MOEINFRA_CACHE`` (default ``~/.cache/moeinfra``)``/kernels``, and reused after. Where that fails
+(no compiler) or with ``MOEINFRA_CPU_KERNELS=0``, every caller runs its torch operators instead,
+with the same results up to float rounding; :func:`available` says which.
 """
 
 from __future__ import annotations
