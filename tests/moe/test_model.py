@@ -375,8 +375,9 @@ def test_mla_absorbed_copies_follow_the_weight_and_are_not_copied():
 @pytest.mark.parametrize("tokens", [1, 3, 8, 100])
 def test_cpu_experts_equal_the_grouped_gemm(tokens, dtype, monkeypatch):
     """On the CPU the experts run as batched GEMMs over the used slots (rows padded, shapes
-    rounded up; up to 16 rows, one batch entry per row): torch's grouped GEMM's output to
-    bfloat16 rounding (float32: to float32's), whether some slots get no rows (1, 3, 8 tokens)
+    rounded up; up to 16 rows, one batch entry per row): the unpadded path's output (torch's
+    grouped GEMM in float32, one GEMM per slot in bfloat16) to bfloat16 rounding (float32: to
+    float32's), whether some slots get no rows (1, 3, 8 tokens)
     or every one does, including replicated experts (20 slots for 16 experts). The same routing
     on both sides: a near-tie that bfloat16 breaks another way than float32 would move a whole
     token."""
@@ -393,3 +394,49 @@ def test_cpu_experts_equal_the_grouped_gemm(tokens, dtype, monkeypatch):
         grouped = ep(x).float()
     tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
     assert (padded - grouped).abs().max() <= tolerance * grouped.abs().max()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=12))
+def test_slot_spans_leave_every_row_to_its_own_slot(counts):
+    """Each slot's GEMM rounds its rows up to the bucket by reading on into later slots' rows;
+    run in order, the last span over every row is its own slot's, no span passes the last row,
+    and every span is a multiple of the bucket or (at the end) shorter than one."""
+    from moeinfra.moe.expert_parallel import EXPERT_ROWS_BUCKET, _slot_spans
+
+    total = sum(counts)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    last = np.full(total, -1)
+    for slot, start, n in _slot_spans(torch.tensor(counts), total):
+        assert 0 < n and start + n <= total
+        assert n % EXPERT_ROWS_BUCKET == 0 or n < EXPERT_ROWS_BUCKET
+        assert owner[start] == slot
+        last[start : start + n] = slot
+    assert (last == owner).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slot_gemms_equal_each_slots_experts_on_its_rows_alone(dtype):
+    """The rounded-up per-slot GEMMs give each row what its slot's expert gives it alone: slots
+    with no rows, counts off the bucket, and a last slot split into a bucket multiple and the rest."""
+    from moeinfra.moe.expert_parallel import _slot_gemms
+    from moeinfra.moe.layers import swiglu
+
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 37, 16, 0, 5, 61, 0, 29])
+    slots, hidden, inter = len(counts), 64, 32
+    w13 = (torch.randn(slots, 2 * inter, hidden) / 8).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter) / 8).to(dtype)
+    rows = torch.randn(int(counts.sum()), hidden).to(dtype)
+    with torch.no_grad():
+        out = _slot_gemms(rows, counts, w13, w2, None).float()
+    start = 0
+    for slot, count in enumerate(counts.tolist()):
+        if not count:
+            continue
+        x = rows[start : start + count].float()
+        gate, up = (x @ w13[slot].float().T).chunk(2, dim=-1)
+        want = swiglu(gate, up) @ w2[slot].float().T
+        tolerance = 0.03 if dtype == torch.bfloat16 else 1e-5
+        assert (out[start : start + count] - want).abs().max() <= tolerance * want.abs().max()
+        start += count
