@@ -408,7 +408,7 @@ def test_slot_spans_leave_every_row_to_its_own_slot(counts):
     owner = np.repeat(np.arange(len(counts)), counts)
     last = np.full(total, -1)
     for slot, start, n in _slot_spans(torch.tensor(counts), total):
-        assert 0 < n and start + n <= total
+        assert n > 0 and start + n <= total
         assert n % EXPERT_ROWS_BUCKET == 0 or n < EXPERT_ROWS_BUCKET
         assert owner[start] == slot
         last[start : start + n] = slot
