@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -293,13 +294,25 @@ def test_without_a_compiler_the_torch_operators_run(tmp_path):
 
 def test_the_library_is_built_once_and_anew_when_it_does_not_load(tmp_path, monkeypatch):
     """Cached under ``$MOEINFRA_CACHE/kernels``: a second build() is the same file, not a new
-    compile; ``rebuild`` (what loading a truncated library falls back to) compiles it again."""
+    compile; ``rebuild`` (what loading a truncated library falls back to) compiles it again. A
+    build leaves the newest KEPT_LIBRARIES libraries of earlier sources there, with their locks."""
     monkeypatch.setenv("MOEINFRA_CACHE", str(tmp_path))
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    earlier = [kernels / f"moeinfra_cpu_{n:016x}.so" for n in range(cpu_kernels.KEPT_LIBRARIES + 2)]
+    for age, path in enumerate(earlier):  # the first the newest
+        path.write_bytes(b"an earlier build")
+        (kernels / f".{path.stem}.lock").touch()
+        os.utime(path, (time.time() - 60 * (age + 1),) * 2)
     first = cpu_kernels.build()
     built_at = first.stat().st_mtime_ns
-    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    assert first.parent == kernels and first.suffix == ".so"
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == built_at
-    assert [p.name for p in first.parent.iterdir() if not p.name.startswith(".")] == [first.name]
+    kept = earlier[: cpu_kernels.KEPT_LIBRARIES - 1]
+    assert sorted(kernels.glob("*.so")) == sorted([first, *kept])
+    assert sorted(kernels.glob(".*.lock")) == sorted(
+        kernels / f".{p.stem}.lock" for p in [first, *kept]
+    )
     first.write_bytes(b"truncated")
     assert cpu_kernels.build(rebuild=True) == first and first.stat().st_size > 10_000
 

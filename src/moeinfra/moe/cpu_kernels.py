@@ -111,7 +111,30 @@ def build(rebuild: bool = False) -> Path:
                     text=True,
                 )
                 built.replace(library)
+                _prune(root, library)
     return library
+
+
+# Libraries kept in the cache, the newest built: every source edit, torch version or compiler
+# command builds another.
+KEPT_LIBRARIES = 8
+
+
+def _prune(root: Path, built: Path) -> None:
+    """Remove all but the :data:`KEPT_LIBRARIES` newest libraries (and their lock files) beside
+    ``built``; a process that has one loaded keeps it (removing a file does not unmap it)."""
+
+    def built_at(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # removed meanwhile by another process pruning
+            return 0.0
+
+    libraries = sorted(root.glob("moeinfra_cpu_*.so"), key=built_at, reverse=True)
+    for old in libraries[KEPT_LIBRARIES:]:
+        if old != built:
+            old.unlink(missing_ok=True)
+            (root / f".{old.stem}.lock").unlink(missing_ok=True)
 
 
 def library_path(command: list[str]) -> Path:

@@ -419,7 +419,8 @@ def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
 
 # oneDNN (torch's half-precision CPU GEMMs, and :func:`linear`'s float32 ones) builds a kernel for
 # every new shape, ~0.2-0.5 ms each, and keeps the last 1,024; a slot's row count is a new shape
-# nearly every prefill step. Rounded up to a multiple of this, 2,048 rows per slot are 128 shapes:
+# nearly every prefill step. Rounded up to a multiple of this, up to 2,048 rows per slot are 143
+# shapes per projection (128 multiples, 15 rests under 16; see _slot_spans):
 # 32 slots' GEMMs over 16,384 bfloat16 rows with new counts every call 8.6-18 -> 6.6-10 ms (the
 # same counts again: 6.7 ms both; hidden 256, 128-wide experts, 2 threads).
 EXPERT_ROWS_BUCKET = 16
