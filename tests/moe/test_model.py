@@ -440,3 +440,13 @@ def test_slot_gemms_equal_each_slots_experts_on_its_rows_alone(dtype):
         tolerance = 0.03 if dtype == torch.bfloat16 else 1e-5
         assert (out[start : start + count] - want).abs().max() <= tolerance * want.abs().max()
         start += count
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(1, 40)), max_size=10))
+def test_positions_of_concatenates_each_segments_positions(spans):
+    """Decode steps (every segment one token), prompt chunks and their mix; none at all."""
+    segments = [Segment(seq, start, length) for seq, (start, length) in enumerate(spans)]
+    want = [p for start, length in spans for p in range(start, start + length)]
+    positions = positions_of(segments)
+    assert positions.dtype == torch.int64 and positions.tolist() == want

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
@@ -81,12 +82,23 @@ def plan_attention(
         offsets.append(row)
         row += s.length
     slots = step.slots
-    write = [slots[s.seq][s.start : s.start + s.length] for s in segments]
+    host = device.type == "cpu"
     decode = [i for i, s in enumerate(segments) if s.length == 1 and s.start < limit]
     decode_mask = None
     lengths = [segments[i].start + 1 for i in decode]
     decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
-    if decode:
+    if host:
+        write = [slots[s.seq].numpy()[s.start : s.start + s.length] for s in segments]
+        write = torch.from_numpy(np.concatenate(write) if write else np.zeros(0, np.int64))
+    else:
+        write = [slots[s.seq][s.start : s.start + s.length] for s in segments]
+        write = torch.cat(write) if write else torch.zeros(0, dtype=torch.int64, device=device)
+    if decode and host:
+        seqs = [segments[i].seq for i in decode]
+        decode_slots, decode_mask = _host_contexts(
+            slots, seqs, lengths, _decode_length_bucket(step)
+        )
+    elif decode:
         contexts = [
             slots[segments[i].seq][:length] for i, length in zip(decode, lengths, strict=True)
         ]
@@ -108,7 +120,7 @@ def plan_attention(
             chunks.append(_causal(slots[s.seq], s.start, int(dense), offsets[i], device))
     return AttentionPlan(
         row,
-        torch.cat(write) if write else torch.zeros(0, dtype=torch.int64, device=device),
+        write,
         torch.tensor([offsets[i] for i in decode], dtype=torch.int64, device=device),
         decode_slots,
         decode_lengths,
@@ -117,6 +129,20 @@ def plan_attention(
         _sparse_parts(segments, offsets, slots, limit, device) if dense_below is not None else [],
         [_batched(segments, idx, n, offsets, slots, device) for n, idx in short.items()],
     )
+
+
+def _host_contexts(slots, seqs: list[int], lengths: list[int], bucket: int):
+    """``(decode_slots [D, L], decode_mask [D, 1, L] or None)`` of a CPU cache, built in numpy:
+    one copy per context where torch's ``pad_sequence`` and mask cost a few operators each
+    (the plan of a decode step 85 -> 35 us at one request, 54 -> 41 at 32; 1 thread)."""
+    width = -(-max(lengths) // bucket) * bucket
+    table = np.zeros((len(seqs), width), np.int64)
+    for row, (seq, length) in enumerate(zip(seqs, lengths, strict=True)):
+        table[row, :length] = slots[seq].numpy()[:length]
+    mask = None
+    if min(lengths) < width:
+        mask = torch.from_numpy(np.arange(width) < np.array(lengths)[:, None])[:, None]
+    return torch.from_numpy(table), mask
 
 
 # Decode contexts of a bfloat16 (float16) cache on the CPU are padded to a multiple of this many
