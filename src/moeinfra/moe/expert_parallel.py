@@ -238,7 +238,7 @@ class ExpertParallelMoE(nn.Module):
                 done = _slot_gemms(sorted_rows, counts, w13, w2, limit)
             elif _padded_batch_gemms(sorted_rows, counts, _slot_bytes(w13, w2)):
                 done = _padded_expert_gemms(sorted_rows, counts, w13, w2, limit)
-            elif sorted_rows.device.type == "cpu" and sorted_rows.dtype != torch.float32:
+            elif _half_slot_gemms(sorted_rows, w13, w2):
                 done = _slot_gemms(sorted_rows, counts, w13, w2, limit)
             else:
                 ends = counts.cumsum(0).to(torch.int32)
@@ -414,6 +414,16 @@ def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
         rows.device.type == "cpu"
         and rows.dtype == torch.float32
         and rows.shape[0] >= PER_SLOT_GEMM_ROWS * slots
+    )
+
+
+def _half_slot_gemms(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Half-precision CPU rows past the padded batch run :func:`_slot_gemms` unless autograd
+    needs them (its GEMMs write into one output; torch's grouped GEMM differentiates)."""
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype != torch.float32
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w13, w2)))
     )
 
 
