@@ -156,6 +156,17 @@ def test_top_k_then_top_p():
     assert set(_draw(PROBS.log(), SamplingParams(top_k=3, top_p=0.7), 1000).tolist()) == {3, 1}
 
 
+def test_min_p_keeps_tokens_within_its_share_of_the_top_one_after_temperature():
+    # at temperature 0.5 the probabilities are PROBS**2 renormalised: 0.30 -> 0.457, 0.25 ->
+    # 0.317, 0.15 -> 0.114, 0.10 -> 0.051; min_p 0.2 keeps what is >= 0.091 (tokens 3, 1, 6)
+    params = SamplingParams(temperature=0.5, min_p=0.2)
+    tokens = _draw(PROBS.log(), params, 2000)
+    assert set(tokens.tolist()) == {3, 1, 6}
+    kept = torch.zeros(8).index_fill(0, torch.tensor([1, 3, 6]), 1.0) * PROBS**2
+    assert _chi2(tokens, kept / kept.sum()) < CHI2_DF2_CRITICAL
+    assert set(_draw(PROBS.log(), SamplingParams(min_p=1.0), 200).tolist()) == {3}
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_temperature_frequencies_match_softmax_of_scaled_logits(temperature):
     logits = torch.tensor([0.6, 0.3, 0.1]).log()

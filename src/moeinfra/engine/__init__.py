@@ -15,10 +15,10 @@ from moeinfra.engine.config import EngineConfig
 from moeinfra.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from moeinfra.engine.core import EngineCore, StepOutput
+    from moeinfra.engine.core import EngineCore
     from moeinfra.engine.kv_blocks import BlockManager, block_hashes
     from moeinfra.engine.llm import LLM
-    from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+    from moeinfra.engine.outputs import CompletionOutput, RequestOutput, StepOutput
     from moeinfra.engine.params import SamplingParams
     from moeinfra.engine.tiny import default_model, init_tiny
     from moeinfra.engine.tokenizer import Tokenizer
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # does not pull in torch.
 _LAZY = {
     "EngineCore": "core",
-    "StepOutput": "core",
+    "StepOutput": "outputs",
     "BlockManager": "kv_blocks",
     "block_hashes": "kv_blocks",
     "LLM": "llm",

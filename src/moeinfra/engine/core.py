@@ -8,7 +8,6 @@ takes part in every MoE layer's dispatch and combine, as DeepSeek's data-paralle
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -16,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -26,12 +26,16 @@ from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
+from moeinfra.engine.logits_processing import bad_word_ids, process_logits
+from moeinfra.engine.logprobs import gather, log_softmax
 from moeinfra.engine.models.mtp import with_mtp_layer
+from moeinfra.engine.outputs import StepOutput
 from moeinfra.engine.registry import architecture, require_mtp
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
 from moeinfra.engine.sequence import Preloaded, Sequence, Status
 from moeinfra.engine.speculative import SpecStats, verify
+from moeinfra.engine.structured import Grammars
 from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
@@ -40,22 +44,6 @@ from moeinfra.moe import cpu_kernels
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.expert_parallel import take_step_loads
 from moeinfra.moe.mla import Segment
-
-
-@dataclass
-class StepOutput:
-    """What one step did for one request: its new tokens and text, and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
 
 
 def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
@@ -193,6 +181,7 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if self.device.type == "cpu":
             keep_freed_memory()  # once loaded: the loader's large temporaries went back already
             cpu_kernels.available()  # built now (first time on a machine), not in a request's step
@@ -289,6 +278,15 @@ class EngineCore:
         if request_id in self.requests:
             raise InputError(f"request_id={request_id!r} is already running")
         check_prompt(self.model_config, prompt_ids)
+        vocab = self.model_config.vocab_size
+        for name, ids in (("output_ids", output_ids), ("drafts", drafts)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise InputError(f"{name} must be token ids in 0..{vocab - 1}")
+        if params.max_token_id() >= vocab:
+            raise InputError(
+                f"token id {params.max_token_id()} in stop_token_ids, allowed_token_ids or "
+                f"logit_bias is outside the vocabulary (0..{vocab - 1})"
+            )
         seq = Sequence(
             next(self._ids),
             request_id,
@@ -300,8 +298,11 @@ class EngineCore:
             else None,
             preloaded=preloaded,
             handoff=handoff,
+            bad_word_ids=bad_word_ids(self.tokenizer, params.bad_words),
         )
-        detok = DetokenizeStream(self.tokenizer)
+        detok = DetokenizeStream(self.tokenizer, params.skip_special_tokens)
+        if params.grammar is not None:
+            seq.grammar = self._grammar(params, list(output_ids or ()))
         if output_ids:
             seq.output_ids = list(output_ids)
             text = detok.push(output_ids)
@@ -373,6 +374,9 @@ class EngineCore:
         if interval is not None and self.steps % interval == 0:
             self.rebalance()
         starts = np.cumsum([0] + [c.length for c in scheduled])
+        for c, first in zip(scheduled, starts, strict=False):
+            if c.seq.computes_prompt_logprobs:
+                self._prompt_logprobs(c, int(first), hidden)
         sampling = [
             (c, int(start)) for c, start in zip(scheduled, starts, strict=False) if c.samples
         ]
@@ -383,9 +387,9 @@ class EngineCore:
         handoffs = []
         if sampling:
             sample_began = time.perf_counter()
-            new_tokens = self._sample(hidden, sampling)
+            new_tokens, new_logprobs = self._sample(hidden, sampling)
             sample_s = time.perf_counter() - sample_began
-            for (c, _), tokens in zip(sampling, new_tokens, strict=True):
+            for (c, _), tokens, logprobs in zip(sampling, new_tokens, new_logprobs, strict=True):
                 seq = c.seq
                 if c.drafts:
                     accepted = len(tokens) - 1
@@ -394,7 +398,7 @@ class EngineCore:
                     seq.num_draft_tokens += len(c.drafts)
                     seq.num_accepted_tokens += accepted
                 seq.drafts = []
-                outputs.append(self._append_all(seq, tokens))
+                outputs.append(self._append_all(seq, tokens, logprobs))
                 if seq.handoff is not None and not seq.finished:
                     handoffs.append(seq)
         if self.mtp is not None:
@@ -437,27 +441,48 @@ class EngineCore:
         if self.config.enable_prefix_caching and end // bs > start // bs:
             self.blocks.mark_computed(seq.seq_id, token_ids or seq.token_ids, end)
 
-    def _sample(self, hidden: torch.Tensor, sampling: list) -> list[list[int]]:
+    def _prompt_logprobs(self, c, first: int, hidden: torch.Tensor) -> None:
+        """Gather the log-probabilities of the prompt tokens chunk ``c`` (rows from ``first`` of
+        ``hidden``) predicts, after those its request already has (CPU: in parts, as
+        :meth:`_sample`)."""
+        seq = c.seq
+        lo = max(c.start, len(seq.prompt_logprobs))  # position p predicts prompt token p + 1
+        hi = min(c.start + c.length, len(seq.prompt_ids) - 1)
+        top = seq.params.prompt_logprobs
+        step = self._logits_rows_per_part() if hidden.device.type == "cpu" else hi - lo
+        for p in range(lo, hi, max(step, 1)):
+            end = min(p + max(step, 1), hi)
+            rows = hidden[first + p - c.start : first + end - c.start]
+            targets = seq.prompt_ids[p + 1 : end + 1]
+            raw = log_softmax(self.model.logits(rows))
+            seq.prompt_logprobs += gather(raw, targets, [top] * len(targets))
+
+    def _sample(self, hidden: torch.Tensor, sampling: list) -> tuple[list, list]:
         """New tokens of each sampled chunk ``(chunk, first row)``: one drawn token, or the
-        accepted drafts and the target's token of a chunk with drafts (:func:`verify`). On the
-        CPU in parts of about :data:`LOGITS_PART_BYTES` of float32 logits (a chunk's rows stay
-        in one part, however many)."""
+        accepted drafts and the target's token of a chunk with drafts (:func:`verify`), and their
+        :class:`Logprobs` (None for a request that asked for none). On the CPU in parts of about
+        :data:`LOGITS_PART_BYTES` of float32 logits (a chunk's rows stay in one part, however
+        many)."""
         if hidden.device.type != "cpu":
             return self._sample_part(hidden, sampling)
         most = self._logits_rows_per_part()
-        out, part, rows = [], [], 0
+        tokens, logprobs, part, rows = [], [], [], 0
         for c, first in sampling:
             if part and rows + len(c.drafts) + 1 > most:
-                out += self._sample_part(hidden, part)
+                done = self._sample_part(hidden, part)
+                tokens, logprobs = tokens + done[0], logprobs + done[1]
                 part, rows = [], 0
             part.append((c, first))
             rows += len(c.drafts) + 1
-        return out + self._sample_part(hidden, part) if part else out
+        if part:
+            done = self._sample_part(hidden, part)
+            tokens, logprobs = tokens + done[0], logprobs + done[1]
+        return tokens, logprobs
 
     def _logits_rows_per_part(self) -> int:
         return max(1, LOGITS_PART_BYTES // (4 * self.model_config.vocab_size))
 
-    def _sample_part(self, hidden: torch.Tensor, sampling: list) -> list[list[int]]:
+    def _sample_part(self, hidden: torch.Tensor, sampling: list) -> tuple[list, list]:
         """:meth:`_sample` of the chunks ``sampling``, their logits as one tensor."""
         rows, where = [], []
         for c, first in sampling:
@@ -465,11 +490,24 @@ class EngineCore:
             where.append(len(rows))
             rows.extend(range(last - len(c.drafts), last + 1))
         logits = self.model.logits(hidden[rows])
-        banned = []
         for (c, _), at in zip(sampling, where, strict=True):
-            made = len(c.seq.output_ids)
-            banned.extend((at + j, c.seq, made + j) for j in range(len(c.drafts) + 1))
-        self._mask_early_stop(logits, banned)
+            if c.seq.grammar is not None:  # (a request with a grammar verifies no drafts)
+                c.seq.grammar.mask(logits[at])
+        wanted = [i for i, (c, _) in enumerate(sampling) if c.seq.params.logprobs is not None]
+        raw = None
+        if wanted:  # before the logits are processed in place
+            span = [where[i] + j for i in wanted for j in range(len(sampling[i][0].drafts) + 1)]
+            raw = log_softmax(logits[span])
+        processed = []
+        for (c, _), at in zip(sampling, where, strict=True):
+            seq = c.seq
+            if seq.params.processes_logits or len(seq.output_ids) < seq.params.min_tokens:
+                made = seq.output_ids
+                processed += [
+                    (at + j, seq, made + list(c.drafts[:j])) for j in range(len(c.drafts) + 1)
+                ]
+        if processed:
+            process_logits(logits, processed, self.eos_token_ids)
         plain = [i for i, (c, _) in enumerate(sampling) if not c.drafts]
         out: list[list[int]] = [[] for _ in sampling]
         if plain:
@@ -489,7 +527,13 @@ class EngineCore:
                 seq, at = c.seq, where[i]
                 span = logits[at : at + len(c.drafts) + 1]
                 out[i] = verify(span, c.drafts, seq.params, seq.generator, len(seq.output_ids))
-        return out
+        logprobs: list = [None] * len(sampling)
+        offset = 0
+        for i in wanted:
+            made, top = out[i], sampling[i][0].seq.params.logprobs
+            logprobs[i] = gather(raw[offset : offset + len(made)], made, [top] * len(made))
+            offset += len(sampling[i][0].drafts) + 1
+        return out, logprobs
 
     def _draft(
         self, scheduled, starts, hidden: torch.Tensor, step_cache: StepCache, sampled: set[int]
@@ -534,7 +578,8 @@ class EngineCore:
             for seq, token in zip(seqs, tokens.tolist(), strict=True):
                 seq.drafts.append(token)
         for seq, _ in drafting:
-            del seq.drafts[self._draft_room(seq) :]
+            # a request with a grammar takes no drafts (each would need the grammar's mask)
+            del seq.drafts[0 if seq.params.grammar is not None else self._draft_room(seq) :]
 
     def _draft_tokens(self, last: torch.Tensor) -> torch.Tensor:
         """The MTP layer's greedy draft after each of its outputs ``last [N, H]``; on the CPU in
@@ -589,19 +634,20 @@ class EngineCore:
         )
         self._finish(seq, "handoff")
 
-    def _mask_early_stop(self, logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
-        """Before ``min_tokens`` outputs, EOS and stop tokens cannot be sampled (vLLM's rule):
-        ``rows`` are ``(logits row, request, outputs it will have made before that token)``."""
-        for row, seq, made in rows:
-            if made < seq.params.min_tokens:
-                banned = set(seq.params.stop_token_ids or ())
-                if not seq.params.ignore_eos:
-                    banned |= self.eos_token_ids
-                ids = [t for t in banned if t < logits.shape[1]]
-                logits[row, ids] = float("-inf")
+    def _grammar(self, params: SamplingParams, output_ids: list[int]):
+        """The matcher of a request's grammar having followed ``output_ids`` (those after its
+        ``grammar_after``), or None while that has not been generated yet."""
+        if params.grammar_after is None:
+            return self.grammars.matcher(params.grammar, output_ids)
+        decode = self.tokenizer.decode
+        for k in range(len(output_ids) + 1):
+            if params.grammar_after in decode(output_ids[:k], params.skip_special_tokens):
+                return self.grammars.matcher(params.grammar, output_ids[k:])
+        return None
 
-    def _append_all(self, seq: Sequence, tokens: list[int]) -> StepOutput:
-        """:meth:`_append` each token until the request finishes; one output for them all."""
+    def _append_all(self, seq: Sequence, tokens: list[int], logprobs=None) -> StepOutput:
+        """:meth:`_append` each token until the request finishes; one output for them all (with
+        their ``logprobs``, and the prompt's on the request's first output)."""
         new_ids, new_text = [], ""
         for token in tokens:
             out = self._append(seq, token)
@@ -609,18 +655,33 @@ class EngineCore:
             new_text += out.new_text
             if seq.finished:
                 break
-        return dataclasses.replace(out, new_token_ids=new_ids, new_text=new_text)
+        out = msgspec.structs.replace(out, new_token_ids=new_ids, new_text=new_text)
+        if logprobs is not None:
+            out.logprobs = logprobs[: len(new_ids)]
+        if len(seq.output_ids) == len(new_ids):  # the request's first tokens
+            out.queued_s = (seq.scheduled_s or seq.arrived_s) - seq.arrived_s
+            if seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
         params = seq.params
-        new_text = self._detok[seq.request_id].push([token])
-        full = self._detok[seq.request_id].text
         reason = None
-        if token in (params.stop_token_ids or ()):
+        if token in params.stop_token_ids:
             reason, seq.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
+        detok = self._detok[seq.request_id]
+        # a stop token's own text is not part of the output unless asked for (as in vLLM)
+        shows = reason is None or params.include_stop_str_in_output
+        new_text = detok.push([token]) if shows else ""
+        if seq.grammar is not None:
+            if seq.grammar.advance(token) and reason is None:
+                reason = "stop"  # the grammar is complete
+        elif params.grammar is not None and params.grammar_after in detok.text:
+            seq.grammar = self.grammars.matcher(params.grammar, [])  # the thinking ended
+        full = detok.text
         if seq.stop_checker is not None:
             shown, stopped = seq.stop_checker.check(full)
             new_text = shown[len(seq.text) :]
@@ -659,7 +720,6 @@ class EngineCore:
             seq.status is Status.FINISHED,
             seq.finish_reason,
             seq.stop_reason,
-            seq.prompt_ids,
             seq.num_cached,
             seq.num_draft_tokens,
             seq.num_accepted_tokens,

@@ -138,18 +138,22 @@ class BlockManager:
 
     # ------------------------------------------------------------------ sequences
 
-    def allocate_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def allocate_prefix(self, seq_id: int, token_ids: Sequence[int], use_cache: bool = True) -> int:
         """Register sequence ``seq_id`` with prompt ``token_ids`` and take its cached prefix.
 
         References the longest run of computed full blocks matching the prompt's start, capped so
         at least one prompt token is left to compute. Allocates no new block. Returns the number of
-        cached tokens: a multiple of ``block_size``, less than ``len(token_ids)``.
+        cached tokens: a multiple of ``block_size``, less than ``len(token_ids)``. With
+        ``use_cache=False`` the sequence takes nothing from the cache (and counts no query).
         """
         if seq_id in self._seqs:
             raise InputError(f"seq_id={seq_id!r}: already allocated; free it first or use a new id")
         if len(token_ids) == 0:
             raise InputError("token_ids=[]: a prompt must hold at least one token")
         seq = _Seq()
+        if not use_cache:
+            self._seqs[seq_id] = seq
+            return 0
         for digest, block in self._cached_prefix(token_ids):
             if self._ref[block] == 0:
                 del self._evictable[block]

@@ -20,9 +20,9 @@ from typing import Any
 import torch.distributed as dist
 
 from moeinfra.engine.config import speculative_tokens
-from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput, check_prompt
+from moeinfra.engine.core import EngineConfig, EngineCore, check_prompt
 from moeinfra.engine.hf_config import read_config
-from moeinfra.engine.outputs import CompletionOutput, RequestOutput
+from moeinfra.engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.engine.tiny import default_model
@@ -342,6 +342,10 @@ def _apply(result: RequestOutput, out: StepOutput, bar) -> bool:
     completion = result.outputs[0]
     completion.token_ids.extend(out.new_token_ids)
     completion.text += out.new_text
+    if out.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + out.logprobs
+    if out.prompt_logprobs is not None:
+        result.prompt_logprobs = [None, *out.prompt_logprobs]
     result.num_cached_tokens = out.num_cached_tokens
     result.num_draft_tokens = out.num_draft_tokens
     result.num_accepted_tokens = out.num_accepted_tokens

@@ -73,7 +73,8 @@ def sample(
     generators: Sequence[torch.Generator | None],
     steps: Sequence[int],
 ) -> torch.Tensor:
-    """One token per row: greedy, or temperature, top-k and top-p filtering then a random draw.
+    """One token per row: greedy, or temperature, min-p, top-k and top-p filtering then a random
+    draw.
 
     logits: [B, V] float, one row per request sampled this step. params, generators, steps: B
     entries each; ``generators[i]`` is the request's own :func:`request_generator` exactly when
@@ -110,14 +111,8 @@ def sample(
     if greedy:
         tokens[greedy] = _argmax_rows(logits[greedy])
     drawn = [params[i] for i in rows]
-    x = logits[
-        rows
-    ].float()  # a copy: the steps below work in place (each new [B, V] costs page faults)
-    x.div_(torch.tensor([p.temperature for p in drawn], device=x.device)[:, None])
-    if any(0 < p.top_k < vocab or p.top_p < 1 for p in drawn):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in drawn], device=x.device)
-        top_p = torch.tensor([p.top_p for p in drawn], device=x.device)
-        x = _top_k_top_p(x, top_k, top_p)
+    # a copy: the steps below work in place (each new [B, V] costs page faults)
+    x = _filtered(logits[rows].float(), drawn)
     # E = -log(1 - U) from uniform U (the Exp(1) draw, ~5x faster than Tensor.exponential_ on CPU);
     # argmax(probs / E) = argmax(x - log E): the softmax's normaliser does not change the argmax.
     noise = torch.empty_like(x)
@@ -135,19 +130,26 @@ def sample(
     return tokens
 
 
-def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """``[R, V]`` float32 distribution each row's sampling draws from: ``softmax(logits / T)``
-    over the row's top-k and nucleus (zero elsewhere). For non-greedy params."""
-    x = (
-        logits.float()
-        / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
-    )
+def _filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``x [R, V]`` float32 logits (changed in place) divided by each row's temperature, then
+    min-p, top-k and top-p filtered (-inf outside), as vLLM orders them."""
+    x.div_(torch.tensor([p.temperature for p in params], device=x.device)[:, None])
+    if any(p.min_p > 0 for p in params):
+        # p_j < min_p * p_max  <=>  x_j < x_max + log(min_p): no softmax needed
+        floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + floor.to(x.device)[:, None], -math.inf)
     vocab = x.shape[-1]
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=x.device)
         top_p = torch.tensor([p.top_p for p in params], device=x.device)
         x = _top_k_top_p(x, top_k, top_p)
-    return x.softmax(dim=-1)
+    return x
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``[R, V]`` float32 distribution each row's sampling draws from: ``softmax(logits / T)``
+    over the row's min-p set, top-k and nucleus (zero elsewhere). For non-greedy params."""
+    return _filtered(logits.float().clone(), params).softmax(dim=-1)
 
 
 def step_generator(

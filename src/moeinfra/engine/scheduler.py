@@ -15,6 +15,7 @@ instead of waiting forever. Nothing a running request has written is ever overwr
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -101,7 +102,11 @@ class Scheduler:
                 self.waiting.popleft()
                 rejected.append(seq)
                 continue
-            cached = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids)
+            # a request whose prompt log-probabilities are wanted computes its whole prompt
+            fresh = seq.computes_prompt_logprobs
+            cached = self.blocks.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=not fresh)
+            if fresh:
+                seq.preloaded = None
             start = self._preloaded_start(seq, cached)
             needed = seq.num_tokens - start
             # a request handed off with its first drafts verifies them in its first step here
@@ -114,6 +119,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status, seq.num_computed, seq.num_cached = Status.RUNNING, start, start
+            if seq.scheduled_s is None:
+                seq.scheduled_s = time.perf_counter()
             self.running.append(seq)
             out.append(Scheduled(seq, start, length, drafts))
             budget -= length

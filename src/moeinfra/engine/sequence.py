@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from moeinfra.engine.sampling import SamplingParams, StopChecker
@@ -42,6 +45,9 @@ class Sequence:
     admission). ``handoff``: where a prefill-only request's KV goes after its first token (opaque to
     the engine; None: decode here). ``drafts``: tokens the MTP layer proposed after the last one,
     verified by the next step; ``num_draft_tokens`` / ``num_accepted_tokens``: its drafts so far.
+    ``bad_word_ids``: its ``bad_words`` as token ids; ``prompt_logprobs``: those gathered so far
+    (for prompt tokens 1, 2, ...) when its parameters ask for them; ``arrived_s`` /
+    ``scheduled_s``: ``time.perf_counter()`` when it was added and first scheduled.
     """
 
     seq_id: int
@@ -63,6 +69,22 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: list = field(default_factory=list)
+    grammar: object = None  # its structured-output matcher (engine.structured.Grammar)
+    arrived_s: float = field(default_factory=time.perf_counter)
+    scheduled_s: float | None = None  # when a step first ran it
+
+    @cached_property
+    def prompt_token_set(self) -> np.ndarray:
+        """The distinct prompt tokens, sorted (int64; what the repetition penalty covers)."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to be computed here: it takes no prefix
+        from a cache (computed positions give no logits)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def token_ids(self) -> list[int]:

@@ -440,9 +440,14 @@ def write_tokenizer(folder: Path, tokenizer: str) -> int:
         shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
         return 129280  # DeepSeek-V3's vocab_size (the embedding is padded past the tokenizer's)
     corpus = resources.files("moeinfra.engine").joinpath("data/tiny_corpus.txt").read_text()
-    tok = _train_bpe(corpus)
-    tok.save(str(folder / "tokenizer.json"))
+    tok = json.loads(_train_bpe(corpus).to_str())
+    # as in DeepSeek-V3's tokenizer, only BOS, EOS and padding are special: the chat, thinking
+    # and tool-call markers stay in decoded text (where reasoning and tool-call parsers read them)
+    for added in tok["added_tokens"]:
+        added["special"] = added["id"] < 3
+    (folder / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
     template_source = json.loads((_deepseek_files() / "tokenizer_config.json").read_text())
+    vocab = len(tok["model"]["vocab"])
     config = {
         "add_bos_token": False,
         "add_eos_token": False,
@@ -455,7 +460,7 @@ def write_tokenizer(folder: Path, tokenizer: str) -> int:
         "chat_template": template_source["chat_template"],
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    return tok.get_vocab_size()
+    return vocab
 
 
 def init_tiny(

@@ -19,8 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from moeinfra.engine.core import EngineConfig, EngineCore, StepOutput
+from moeinfra.engine.core import EngineConfig, EngineCore
 from moeinfra.engine.device import collective_backend, place_rank
+from moeinfra.engine.outputs import StepOutput
+from moeinfra.errors import InputError
 
 
 def agree(core: EngineCore, shutdown: bool = False, rebalance: bool = False) -> list[bool]:
@@ -112,7 +114,12 @@ def serve_loop(
             wait = IDLE_WAIT_S[0]
             kind = message[0]
             if kind == "add":
-                core.add_request(*message[1:4], **(message[4] if len(message) > 4 else {}))
+                try:
+                    core.add_request(*message[1:4], **(message[4] if len(message) > 4 else {}))
+                except InputError as err:  # a request this rank cannot take fails alone
+                    if handle is None:
+                        raise
+                    handle(("failed", message[1], str(err)))
             elif kind == "abort":
                 out = core.abort(message[1])
                 if out is not None:
