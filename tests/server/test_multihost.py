@@ -1,5 +1,6 @@
 """A unit whose ranks span hosts (``serve unit --nproc-per-node/--node-rank/--master-addr``), run
-here as two processes that meet only at the unit's rendezvous address, as two hosts would."""
+here as two processes that meet only at the unit's rendezvous address, as two hosts would; every
+socket under a shared secret (``--secret-file``), as across real hosts."""
 
 from __future__ import annotations
 
@@ -22,16 +23,20 @@ def _unit(control: str, model, *args: str) -> subprocess.Popen:
     )
 
 
-def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(tiny_bpe):
+def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(tiny_bpe, tmp_path):
     control = f"tcp://127.0.0.1:{free_port()}"
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
     srv = ServerProcess(["--model", str(tiny_bpe), "--control", control,
-                         "--prefill-units", "0", "--decode-units", "0"])  # fmt: skip
+                         "--prefill-units", "0", "--decode-units", "0",
+                         "--secret-file", str(secret)])  # fmt: skip
     meet = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     span = ["--role", "decode", "--ranks", "2", "--nproc-per-node", "1", "--unit-id", "decode-x"]
+    held = ["--secret-file", str(secret)]
     units = [
-        _unit(control, tiny_bpe, "--role", "prefill", "--ranks", "1"),
-        _unit(control, tiny_bpe, *span, "--node-rank", "0", *meet),
-        _unit(control, tiny_bpe, *span, "--node-rank", "1", *meet),
+        _unit(control, tiny_bpe, "--role", "prefill", "--ranks", "1", *held),
+        _unit(control, tiny_bpe, *span, "--node-rank", "0", *meet, *held),
+        _unit(control, tiny_bpe, *span, "--node-rank", "1", *meet, *held),
     ]
     try:
 

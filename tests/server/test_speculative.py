@@ -103,13 +103,16 @@ def test_bad_speculative_tokens_are_one_line_and_exit_2(args, names):
 def test_a_unit_that_disagrees_on_drafting_is_refused():
     """A unit joining from another host hands off (or takes) KV with the MTP layer's rows only if
     the server's units do: one that disagrees is told to stop."""
+    import msgspec
+
+    from moeinfra.server.messages import Hello
     from moeinfra.server.router import Router
 
     router = Router("tcp://127.0.0.1:0", "digest", drafting=True)
-    info = {"unit": "decode-x", "rank": 0, "ranks": 1, "role": "decode", "kv_address": None}
-    info |= {"max_num_seqs": 4, "model": "digest", "num_speculative_tokens": 0}
+    info = Hello("decode-x", 0, 1, "decode", "digest", max_num_seqs=4, num_speculative_tokens=0)
     router._hello(b"decode-x/0", info)
     assert not router.units["decode-x"].alive
     assert "does not draft with the MTP layer" in router.notes[-1]
-    router._hello(b"decode-y/0", info | {"unit": "decode-y", "num_speculative_tokens": 1})
+    other = msgspec.structs.replace(info, unit="decode-y", num_speculative_tokens=1)
+    router._hello(b"decode-y/0", other)
     assert router.units["decode-y"].ready

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from moeinfra.cli.main import main
 from moeinfra.errors import InputError
+from moeinfra.server.messages import State
 from moeinfra.server.metrics import ServerMetrics
 from moeinfra.serving.mtp_acceptance import (
     MtpAcceptance,
@@ -27,20 +28,20 @@ def metrics_text(drafts: int, accepted_per_pos: list[int], draft_tokens: int | N
     """What ``GET /metrics`` serves after a decode unit reported these totals, in two reports (the
     server adds the increments), rendered by prometheus_client as the server renders it."""
     m = ServerMetrics()
-    half = {
-        "spec_num_drafts": drafts // 2,
-        "spec_num_draft_tokens": (draft_tokens or drafts * len(accepted_per_pos)) // 2,
-        "spec_num_accepted_tokens": sum(accepted_per_pos) // 2,
-        "spec_accepted_per_pos": [a // 2 for a in accepted_per_pos],
-    }
-    full = {
-        "spec_num_drafts": drafts,
-        "spec_num_draft_tokens": draft_tokens or drafts * len(accepted_per_pos),
-        "spec_num_accepted_tokens": sum(accepted_per_pos),
-        "spec_accepted_per_pos": accepted_per_pos,
-    }
-    m.spec_decode({}, half)
-    m.spec_decode(half, full)
+    half = State(
+        spec_num_drafts=drafts // 2,
+        spec_num_draft_tokens=(draft_tokens or drafts * len(accepted_per_pos)) // 2,
+        spec_num_accepted_tokens=sum(accepted_per_pos) // 2,
+        spec_accepted_per_pos=[a // 2 for a in accepted_per_pos],
+    )
+    full = State(
+        spec_num_drafts=drafts,
+        spec_num_draft_tokens=draft_tokens or drafts * len(accepted_per_pos),
+        spec_num_accepted_tokens=sum(accepted_per_pos),
+        spec_accepted_per_pos=accepted_per_pos,
+    )
+    m.rank_counters(State(), half)
+    m.rank_counters(half, full)
     m.ttft.observe(0.2)  # other metrics beside them
     return generate_latest(m.registry).decode()
 

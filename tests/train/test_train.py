@@ -103,6 +103,7 @@ def test_the_acceptance_the_engine_measures_feeds_the_serving_model(trained, tmp
     --mtp-acceptance``: the serving model decodes with exactly that acceptance."""
     from prometheus_client import generate_latest
 
+    from moeinfra.server.messages import State
     from moeinfra.server.metrics import ServerMetrics
 
     path, _ = trained
@@ -111,14 +112,14 @@ def test_the_acceptance_the_engine_measures_feeds_the_serving_model(trained, tmp
     with LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
         llm.generate(prompts, greedy, use_tqdm=False)
         spec = llm._core.spec_stats
-    report = {  # the totals a unit's state report carries (server/unit.py)
-        "spec_num_drafts": spec.num_drafts,
-        "spec_num_draft_tokens": spec.num_draft_tokens,
-        "spec_num_accepted_tokens": spec.num_accepted_tokens,
-        "spec_accepted_per_pos": spec.per_position.tolist(),
-    }
+    report = State(  # the totals a unit's state report carries (server/unit.py)
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_accepted_per_pos=spec.per_position.tolist(),
+    )
     metrics = ServerMetrics()
-    metrics.spec_decode({}, report)
+    metrics.rank_counters(State(), report)
     saved = tmp_path / "metrics.txt"
     saved.write_bytes(generate_latest(metrics.registry))
     done = subprocess.run(

@@ -8,7 +8,8 @@ one. torch.distributed point-to-point would need every prefill and decode rank i
 (fixed at start, so units could not come and go) and blocks the caller unless used with ``isend``
 and a matching ``irecv`` posted in advance.
 
-A message is ``[header, block 0, block 1, ...]``: the header (pickled) names the request, its
+A message is ``[header, block 0, block 1, ...]``: the header (a
+:class:`~moeinfra.server.messages.KVHeader` in MessagePack, never pickle) names the request, its
 prompt and first tokens, sampling parameters, the MTP layer's first drafts (a drafting unit's;
 the decode rank verifies them in its first step), the tensor layout, and the CRC-32 of every block;
 each block frame is ``[layers, <= block_size tokens, values]`` of the cache dtype (a drafting unit's
@@ -18,7 +19,6 @@ checks the block count, every frame's size and checksum before the request may s
 
 from __future__ import annotations
 
-import pickle
 import zlib
 from dataclasses import dataclass, field
 
@@ -28,8 +28,7 @@ import torch
 from moeinfra.engine.core import Handoff
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.engine.sequence import Preloaded
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+from moeinfra.server.messages import KVHeader, decode_kv_header, encode
 
 
 class TransferError(ValueError):
@@ -63,43 +62,48 @@ def pack(handoff: Handoff, block_size: int) -> list:
     blocks = [
         np.ascontiguousarray(raw[:, s : s + block_size]) for s in range(0, tokens, block_size)
     ]
-    header = {
-        "request_id": handoff.request_id,
-        "prompt_ids": handoff.prompt_ids,
-        "output_ids": handoff.output_ids,
-        "params": handoff.params,
-        "num_cached_tokens": handoff.num_cached_tokens,
-        "drafts": [int(t) for t in handoff.drafts],
-        "shape": (layers, tokens, values),
-        "dtype": str(kv.dtype),
-        "block_size": block_size,
-        "crc32": [zlib.crc32(b) for b in blocks],
-    }
-    return [pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL), *blocks]
+    header = KVHeader(
+        request_id=handoff.request_id,
+        prompt_ids=handoff.prompt_ids,
+        output_ids=handoff.output_ids,
+        params=handoff.params,
+        num_cached_tokens=handoff.num_cached_tokens,
+        drafts=[int(t) for t in handoff.drafts],
+        shape=(layers, tokens, values),
+        dtype=str(kv.dtype),
+        block_size=block_size,
+        crc32=[zlib.crc32(b) for b in blocks],
+    )
+    return [encode(header), *blocks]
 
 
 def unpack(frames: list, layers: int, values: int, dtype: torch.dtype) -> Arrival:
     """Verify and decode a hand-off received as ``frames`` (bytes-like); raises
-    :class:`TransferError` naming the request and what was wrong."""
-    header = pickle.loads(frames[0])
-    rid = header["request_id"]
+    :class:`~moeinfra.server.messages.BadFrame` when the first frame is no header, and
+    :class:`TransferError` naming the request and what was wrong with the rest."""
+    header = decode_kv_header(frames[0])
+    rid = header.request_id
     blocks = frames[1:]
-    shape, bs = tuple(header["shape"]), header["block_size"]
-    if shape[0] != layers or shape[2] != values or header["dtype"] != str(dtype):
+    shape, bs = header.shape, header.block_size
+    if shape[0] != layers or shape[2] != values or header.dtype != str(dtype):
         raise TransferError(
             rid,
-            f"KV layout {shape} {header['dtype']} does not match this unit's "
+            f"KV layout {shape} {header.dtype} does not match this unit's "
             f"({layers}, tokens, {values}) {dtype}",
         )
     tokens = shape[1]
-    if tokens != len(header["prompt_ids"]):
-        raise TransferError(rid, f"KV for {tokens} tokens, prompt has {len(header['prompt_ids'])}")
+    if tokens < 1:
+        raise TransferError(rid, f"KV for {tokens} tokens")
+    if tokens != len(header.prompt_ids):
+        raise TransferError(rid, f"KV for {tokens} tokens, prompt has {len(header.prompt_ids)}")
+    if bs < 1:
+        raise TransferError(rid, f"block_size={bs} must be >= 1")
     expected = -(-tokens // bs)
-    if len(blocks) != expected or len(header["crc32"]) != expected:
+    if len(blocks) != expected or len(header.crc32) != expected:
         raise TransferError(rid, f"{len(blocks)} KV blocks arrived, {expected} expected")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     parts = []
-    for i, (block, crc) in enumerate(zip(blocks, header["crc32"], strict=True)):
+    for i, (block, crc) in enumerate(zip(blocks, header.crc32, strict=True)):
         n = min(bs, tokens - i * bs)
         buf = memoryview(block)
         if buf.nbytes != layers * n * values * itemsize or zlib.crc32(buf) != crc:
@@ -109,11 +113,11 @@ def unpack(frames: list, layers: int, values: int, dtype: torch.dtype) -> Arriva
     kv = torch.from_numpy(raw).view(dtype).reshape(layers, tokens, values)
     return Arrival(
         rid,
-        list(header["prompt_ids"]),
-        list(header["output_ids"]),
-        header["params"],
+        header.prompt_ids,
+        header.output_ids,
+        header.params,
         Preloaded(0, kv),
-        header["num_cached_tokens"],
+        header.num_cached_tokens,
         raw.nbytes,
-        list(header.get("drafts", ())),
+        header.drafts,
     )

@@ -17,15 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import pickle
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeinfra.engine.sampling import SamplingParams
+from moeinfra.engine.params import SamplingParams
+from moeinfra.server.messages import (
+    Abort,
+    Add,
+    BadFrame,
+    Bye,
+    Failed,
+    Hello,
+    Outputs,
+    Shutdown,
+    State,
+    Welcome,
+    decode_to_router,
+    encode,
+)
 from moeinfra.serving.balancers import DecodeLoadBalancer, PrefillLoadBalancer, attention_cost
+
+log = logging.getLogger(__name__)
 
 #: Engine steps kept per rank for ``GET /calibration/steps``.
 STEP_LOG = 8192
@@ -57,8 +73,8 @@ class RankState:
     queued_attention: float = 0.0
     kv_tokens: int = 0
     requests: set = field(default_factory=set)
-    report: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    report: State = field(default_factory=State)
+    info: Hello | None = None
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     busy_s: float = 0.0  # seconds of engine steps reported so far
     occupancy_s: float = 0.0  # running requests x seconds, from the state reports
@@ -85,7 +101,7 @@ class UnitState:
 
     def expert_balancedness(self) -> float | None:
         """mean/max expert tokens per rank over the unit's recent steps, averaged over layers."""
-        loads = [r.report.get("expert_gpu_load") for r in self.ranks]
+        loads = [r.report.expert_gpu_load for r in self.ranks]
         loads = [x for x in loads if x is not None]
         if not loads:
             return None
@@ -192,8 +208,10 @@ class Router:
         unit_timeout_s: float = 10.0,
         metrics=None,
         drafting: bool | None = None,
+        keys=None,
     ) -> None:
         self.control_address = control_address
+        self.keys = keys  # CurveKeys of --secret-file: peers must hold the secret
         self.model_digest = model_digest
         # units must agree on the KV layout a hand-off carries: with the MTP layer's (drafting)
         # or without; None: whatever the first unit does
@@ -205,6 +223,8 @@ class Router:
         self.requests: dict[str, Tracked] = {}
         self.accepting = True
         self.notes: deque[str] = deque(maxlen=100)
+        self.dropped_frames = 0  # frames on the control socket that were not a message
+        self.refused_peers = 0  # peers that failed the CURVE handshake
         self._tasks: list[asyncio.Task] = []
         self.socket = None
 
@@ -214,9 +234,15 @@ class Router:
         import zmq.asyncio
 
         self._ctx = zmq.asyncio.Context()
+        self._auth = None
         self.socket = self._ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.keys is not None:
+            from moeinfra.server.secret import authenticator, serve_securely
+
+            self._auth = authenticator(self._ctx, self.keys, asyncio=True)
+            serve_securely(self.socket, self.keys)
         if self.control_address.endswith(":0"):
             host = self.control_address.rsplit(":", 1)[0]
             port = self.socket.bind_to_random_port(host)
@@ -227,6 +253,8 @@ class Router:
             asyncio.create_task(self._receive_loop()),
             asyncio.create_task(self._watch_loop()),
         ]
+        if self.keys is not None:
+            self._tasks.append(asyncio.create_task(self._watch_handshakes()))
 
     def expect_unit(self, unit_id: str, role: str, ranks: int, process=None) -> UnitState:
         """Register a unit before its ranks say hello (local units: with their process)."""
@@ -271,13 +299,15 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.socket is not None:
+            if self._auth is not None:
+                self._auth.stop()
             self.socket.close(linger=0)
             self._ctx.term()
             self.socket = None
 
     def _stop_unit(self, unit: UnitState) -> None:
         for rank in unit.ranks:
-            self._send(rank, ("shutdown",))
+            self._send(rank, Shutdown())
 
     # ------------------------------------------------------------------ placement
     def live_units(self, roles: tuple[str, ...]) -> list[UnitState]:
@@ -327,10 +357,9 @@ class Router:
         prefill.requests.add(tracked.request_id)
         decode.requests.add(tracked.request_id)
         decode.kv_tokens += n + 1
-        options = {} if decode is prefill else {"handoff": decode.kv_address}
+        handoff = None if decode is prefill else decode.kv_address
         self._send(
-            prefill,
-            ("add", tracked.unit_request_id, tracked.prompt_ids, tracked.params, options),
+            prefill, Add(tracked.unit_request_id, tracked.prompt_ids, tracked.params, handoff)
         )
 
     def _release_prefill(self, tracked: Tracked) -> None:
@@ -368,7 +397,7 @@ class Router:
 
     def _stop(self, tracked: Tracked, reason: str) -> None:
         for rank in {tracked.prefill, tracked.decode} - {None}:
-            self._send(rank, ("abort", tracked.unit_request_id))
+            self._send(rank, Abort(tracked.unit_request_id))
         self._release(tracked)
         if self.metrics is not None:
             self.metrics.finished(reason)
@@ -380,13 +409,10 @@ class Router:
         import zmq
 
         with contextlib.suppress(zmq.ZMQError):
-            self.socket.send_multipart(
-                [rank.identity, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)],
-                flags=zmq.NOBLOCK,
-            )
+            self.socket.send_multipart([rank.identity, encode(message)], flags=zmq.NOBLOCK)
 
     def _rank_of(self, identity: bytes) -> RankState | None:
-        unit_id, _, rank = identity.decode().rpartition("/")
+        unit_id, _, rank = identity.decode(errors="replace").rpartition("/")
         unit = self.units.get(unit_id)
         if unit is None or not rank.isdigit():
             return None
@@ -394,53 +420,101 @@ class Router:
 
     async def _receive_loop(self) -> None:
         while True:
-            identity, raw = await self.socket.recv_multipart()
-            message = pickle.loads(raw)
+            frames = await self.socket.recv_multipart()
+            try:
+                if len(frames) != 2:
+                    raise BadFrame(f"{len(frames)} frames, a message has one")
+                identity, raw = frames
+                message = decode_to_router(raw)
+            except BadFrame as err:
+                self.drop_frame("control", frames[0], err)
+                continue
             try:
                 self._on_message(identity, message)
             except Exception as err:  # a bad message must not stop the server
-                self.notes.append(f"message {message[0]!r} from {identity!r}: {err!r}")
+                self.notes.append(f"{type(message).__name__} from {identity!r}: {err!r}")
+
+    async def _watch_handshakes(self) -> None:
+        """Count (and log once) peers that failed the CURVE handshake: no or another secret."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        from moeinfra.server.secret import handshake_failures
+
+        monitor = self.socket.get_monitor_socket()
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if not handshake_failures(event["event"]):
+                    continue
+                if self.metrics is not None:
+                    self.metrics.refused_peers.inc()
+                self.refused_peers += 1
+                if self.refused_peers == 1:
+                    log.warning(
+                        "a peer at %s failed the handshake on the control socket (no or another "
+                        "--secret-file); further ones are counted in moeinfra:refused_peers_total",
+                        event.get("endpoint", b"?").decode(errors="replace"),
+                    )
+        finally:
+            with contextlib.suppress(Exception):
+                self.socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def drop_frame(self, socket: str, peer: bytes, err: Exception) -> None:
+        """Count a frame that was not a message; log the first one of each socket."""
+        if self.metrics is not None:
+            self.metrics.dropped_frames.labels(socket).inc()
+        self.dropped_frames += 1
+        if self.dropped_frames == 1:
+            log.warning(
+                "dropped a frame on the %s socket from %r that is not a message (%s); further "
+                "ones are counted in moeinfra:dropped_frames_total",
+                socket,
+                peer,
+                err,
+            )
 
     def _on_message(self, identity: bytes, message) -> None:
-        kind = message[0]
-        if kind == "hello":
-            self._hello(identity, message[1])
+        if isinstance(message, Hello):
+            self._hello(identity, message)
             return
         rank = self._rank_of(identity)
         if rank is None:
             return
         rank.unit.last_seen = time.monotonic()
-        if kind == "out":
-            for out in message[1]:
+        if isinstance(message, Outputs):
+            for out in message.outputs:
                 self._output(rank, out)
-        elif kind == "state":
-            previous, rank.report = rank.report, message[1]
-            steps = rank.report.pop("steps", ())
+        elif isinstance(message, State):
+            previous, rank.report = rank.report, message
+            steps, message.steps = message.steps, []
             rank.steps.extend(steps)
             rank.busy_s += sum(row[5] for row in steps)
             now = time.monotonic()
             if rank.reported_at is not None:
-                rank.occupancy_s += rank.report.get("running", 0) * (now - rank.reported_at)
+                rank.occupancy_s += message.running * (now - rank.reported_at)
             rank.reported_at = now
             if self.metrics is not None:
                 self.metrics.unit_state(rank.unit)
-                self.metrics.spec_decode(previous, rank.report)
-        elif kind == "failed":
-            tracked = self._current(message[1])
+                self.metrics.rank_counters(previous, message, rank.unit)
+        elif isinstance(message, Failed):
+            tracked = self._current(message.request_id)
             if tracked is not None:
-                self._fail(tracked, message[2])
-        elif kind == "bye":  # a unit stopping on its own (a failing rank) loses its requests
+                self._fail(tracked, message.message)
+        elif isinstance(
+            message, Bye
+        ):  # a unit stopping on its own (a failing rank) loses its requests
             if rank.unit.alive and not rank.unit.draining and self.accepting:
                 self.unit_lost(rank.unit, "stopped")
             rank.unit.alive = False
 
-    def _hello(self, identity: bytes, info: dict) -> None:
-        unit = self.units.get(info["unit"])
+    def _hello(self, identity: bytes, info: Hello) -> None:
+        unit = self.units.get(info.unit)
         if unit is None:  # a unit started elsewhere joins
-            unit = self.expect_unit(info["unit"], info["role"], info["ranks"])
-        drafting = info.get("num_speculative_tokens", 0) > 0
+            unit = self.expect_unit(info.unit, info.role, info.ranks)
+        drafting = info.num_speculative_tokens > 0
         refused = None
-        if info["model"] != self.model_digest:
+        if info.model != self.model_digest:
             refused = "serves another model"
         elif self.drafting is None:
             self.drafting = drafting
@@ -453,27 +527,21 @@ class Router:
                 "(--speculative-tokens)"
             )
         if refused is not None:
-            self.notes.append(f"unit {info['unit']} {refused}; told to stop")
-            rank = RankState(unit, info["rank"], identity, None, 0)
-            self._send(rank, ("shutdown",))
+            self.notes.append(f"unit {info.unit} {refused}; told to stop")
+            rank = RankState(unit, info.rank, identity, None, 0)
+            self._send(rank, Shutdown(f"the API server refused unit {info.unit}: it {refused}"))
             unit.alive = False
             return
-        unit.ranks = [r for r in unit.ranks if r.rank != info["rank"]]
-        unit.ranks.append(
-            RankState(
-                unit,
-                info["rank"],
-                identity,
-                info["kv_address"],
-                info["max_num_seqs"],
-                info.get("pid", 0),
-                info=info,
-            )
+        unit.ranks = [r for r in unit.ranks if r.rank != info.rank]
+        rank = RankState(
+            unit, info.rank, identity, info.kv_address, info.max_num_seqs, info.pid, info=info
         )
+        unit.ranks.append(rank)
         unit.ranks.sort(key=lambda r: r.rank)
         # a unit's ranks may span hosts (serve unit --node-rank): name each host once
-        unit.host = ",".join(dict.fromkeys(r.info.get("host", "") for r in unit.ranks))
+        unit.host = ",".join(dict.fromkeys(r.info.host for r in unit.ranks if r.info))
         unit.last_seen = time.monotonic()
+        self._send(rank, Welcome())
         if unit.ready:
             self.notes.append(f"unit {unit.unit_id} ({unit.role}) up on {unit.host}")
 
@@ -488,7 +556,7 @@ class Router:
         tracked = self._current(out.request_id)
         if tracked is None or rank not in (tracked.prefill, tracked.decode):
             if not out.finished:  # output of a request (or attempt) we no longer track: stop it
-                self._send(rank, ("abort", out.request_id))
+                self._send(rank, Abort(out.request_id))
             return
         out.request_id = tracked.request_id
         if rank is not tracked.prefill and tracked.phase == "prefill":
@@ -544,7 +612,7 @@ class Router:
                 continue
             if not tracked.streamed and tracked.retries < 1:
                 for rank in {tracked.prefill, tracked.decode} - ranks - {None}:
-                    self._send(rank, ("abort", tracked.unit_request_id))
+                    self._send(rank, Abort(tracked.unit_request_id))
                 self._release(tracked)
                 tracked.retries += 1
                 tracked.generated = 0

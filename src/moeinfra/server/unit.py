@@ -16,7 +16,6 @@ notices and a state report (queues, KV blocks, expert balancedness, MTP drafts) 
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 import traceback
@@ -25,8 +24,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from moeinfra.errors import InputError
+
 ROLES = ("prefill", "decode", "colocated")
 REPORT_S = 0.25
+#: seconds a rank waits for the API server to answer its hello before it says so on stderr
+WELCOME_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class UnitSpec:
     local_ranks: int | None = None
     rendezvous: str | None = None
     threads: int | None = None  # CPU threads per rank (None: threads_per_rank's choice)
+    secret_file: str | None = None  # the shared secret's file: CURVE on every socket
 
 
 def threads_per_rank(ranks_here: int) -> int:
@@ -156,18 +160,29 @@ class RankServer:
     def __init__(self, spec: UnitSpec, rank: int, core) -> None:
         import zmq
 
+        from moeinfra.server.secret import authenticator, connect_securely, read_secret
+
         self.spec, self.rank, self.core = spec, rank, core
         self.ctx = zmq.Context()
+        self.keys = read_secret(spec.secret_file) if spec.secret_file else None
         self.control = self.ctx.socket(zmq.DEALER)
         self.control.setsockopt(zmq.IDENTITY, f"{spec.unit_id}/{rank}".encode())
         self.control.setsockopt(zmq.LINGER, 2000)
+        if self.keys is not None:
+            connect_securely(self.control, self.keys)
         self.control.connect(spec.server)
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.kv_in = None
         self.kv_address = None
+        self.auth = None
         if spec.role == "decode":
             self.kv_in = self.ctx.socket(zmq.PULL)
+            if self.keys is not None:
+                from moeinfra.server.secret import serve_securely
+
+                self.auth = authenticator(self.ctx, self.keys)
+                serve_securely(self.kv_in, self.keys)
             port = self.kv_in.bind_to_random_port(f"tcp://{spec.kv_host}")
             self.kv_address = f"tcp://{spec.kv_host}:{port}"
             self.poller.register(self.kv_in, zmq.POLLIN)
@@ -177,7 +192,11 @@ class RankServer:
         self.pending_writes = 0
         self.sent_bytes = self.received_bytes = 0
         self.handoffs_sent = 0
+        self.dropped_frames = 0
         self.last_report = 0.0
+        self.hello_at = time.monotonic()
+        self.welcomed = self.warned = False
+        self.refused = ""  # why the API server told this unit to stop, if it refused it
         self.iteration_began = time.perf_counter()
         self.stepped = core.steps
         # (step, seconds from the messages' arrival to the step's outputs sent, wall-clock end):
@@ -185,32 +204,35 @@ class RankServer:
         self.step_seconds: list[tuple[int, float, float]] = []
 
     def hello(self) -> None:
+        from moeinfra.server.messages import Hello
+
+        core = self.core
         self._send(
-            (
-                "hello",
-                {
-                    "unit": self.spec.unit_id,
-                    "rank": self.rank,
-                    "ranks": self.spec.ranks,
-                    "role": self.spec.role,
-                    "kv_address": self.kv_address,
-                    "pid": os.getpid(),
-                    "host": os.uname().nodename,
-                    "num_kv_blocks": self.core.config.num_kv_blocks,
-                    "block_size": self.core.config.block_size,
-                    "max_num_seqs": self.core.config.max_num_seqs,
-                    "max_num_batched_tokens": self.core.config.max_num_batched_tokens,
-                    "redundant_experts": self.core.config.redundant_experts,
-                    "num_speculative_tokens": self.core.num_speculative_tokens,
-                    "dtype": str(self.core.dtype).removeprefix("torch."),
-                    "device": str(self.core.device),
-                    "model": config_digest(self.spec.model_dir),
-                },
+            Hello(
+                unit=self.spec.unit_id,
+                rank=self.rank,
+                ranks=self.spec.ranks,
+                role=self.spec.role,
+                model=config_digest(self.spec.model_dir),
+                max_num_seqs=core.config.max_num_seqs,
+                kv_address=self.kv_address,
+                pid=os.getpid(),
+                host=os.uname().nodename,
+                num_kv_blocks=core.config.num_kv_blocks,
+                block_size=core.config.block_size,
+                max_num_batched_tokens=core.config.max_num_batched_tokens,
+                redundant_experts=core.config.redundant_experts,
+                num_speculative_tokens=core.num_speculative_tokens,
+                dtype=str(core.dtype).removeprefix("torch."),
+                device=str(core.device),
             )
         )
+        self.hello_at = time.monotonic()
 
     def _send(self, message) -> None:
-        self.control.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        from moeinfra.server.messages import encode
+
+        self.control.send(encode(message))
 
     # ------------------------------------------------------------------ engine loop hooks
     def receive(self, timeout: float | None) -> list[tuple]:
@@ -222,9 +244,11 @@ class RankServer:
             if self.control in events:
                 while True:
                     try:
-                        messages.append(self._control_message(self.control.recv(zmq.NOBLOCK)))
+                        message = self._control_message(self.control.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
+                    if message is not None:
+                        messages.append(message)
             if self.kv_in is not None and self.kv_in in events:
                 while True:
                     try:
@@ -235,45 +259,84 @@ class RankServer:
         self.iteration_began = time.perf_counter()
         return messages
 
-    def _control_message(self, raw: bytes) -> tuple:
-        message = pickle.loads(raw)
-        if message[0] == "add" and self.disk is not None:
-            _, rid, ids, params, options = message
-            options = dict(options)
-            # only the blocks memory lacks are read (memory may still evict them before
-            # admission; then the scheduler drops the read blocks and computes)
-            hit = self.disk.lookup(ids, skip_tokens=self.core.blocks.cached_prefix_tokens(ids))
-            if hit is not None:
-                options["preloaded"] = hit
-            return ("add", rid, ids, params, options)
-        return message
+    def _control_message(self, raw: bytes) -> tuple | None:
+        """The engine loop's form of a message from the API server (None: nothing for it)."""
+        from moeinfra.server.messages import Abort, Add, BadFrame, Shutdown, decode_to_rank
+
+        try:
+            message = decode_to_rank(raw)
+        except BadFrame as err:
+            self._drop("control", err)
+            return None
+        if isinstance(message, Add):
+            options = {"handoff": message.handoff}
+            if self.disk is not None:
+                # only the blocks memory lacks are read (memory may still evict them before
+                # admission; then the scheduler drops the read blocks and computes)
+                ids = message.prompt_ids
+                hit = self.disk.lookup(ids, skip_tokens=self.core.blocks.cached_prefix_tokens(ids))
+                if hit is not None:
+                    options["preloaded"] = hit
+            return ("add", message.request_id, message.prompt_ids, message.params, options)
+        if isinstance(message, Abort):
+            return ("abort", message.request_id)
+        if isinstance(message, Shutdown):
+            self.refused = message.reason
+            return ("shutdown",)
+        self.welcomed = True
+        return None
+
+    def _drop(self, socket: str, err: Exception) -> None:
+        """Count a frame that was not a message (reported to the server); say so once."""
+        self.dropped_frames += 1
+        if self.dropped_frames == 1:
+            print(
+                f"unit {self.spec.unit_id} rank {self.rank}: dropped a frame on its {socket} "
+                f"socket that is not a message ({err}); further ones are counted in the API "
+                "server's moeinfra:dropped_frames_total",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def handle(self, message: tuple) -> None:
+        from moeinfra.server.messages import Failed
+
         if message[0] == "kv":
             self._arrive(message[1])
+        elif message[0] == "failed":
+            self._send(Failed(message[1], message[2]))
 
     def _arrive(self, frames) -> None:
         from moeinfra.server.kv_transfer import TransferError, unpack
+        from moeinfra.server.messages import BadFrame, Failed
 
         data = self.core.cache.data
         try:
             arrival = unpack([f.buffer for f in frames], data.shape[0], data.shape[2], data.dtype)
         except TransferError as err:
-            self._send(("failed", err.request_id, str(err)))
+            self._send(Failed(err.request_id, str(err)))
+            return
+        except BadFrame as err:
+            self._drop("KV", err)
             return
         self.received_bytes += arrival.nbytes
-        self.core.add_request(
-            arrival.request_id,
-            arrival.prompt_ids,
-            arrival.params,
-            output_ids=arrival.output_ids,
-            preloaded=arrival.preloaded,
-            drafts=arrival.drafts,
-        )
+        try:
+            self.core.add_request(
+                arrival.request_id,
+                arrival.prompt_ids,
+                arrival.params,
+                output_ids=arrival.output_ids,
+                preloaded=arrival.preloaded,
+                drafts=arrival.drafts,
+            )
+        except InputError as err:
+            self._send(Failed(arrival.request_id, str(err)))
 
     def emit(self, outputs) -> None:
+        from moeinfra.server.messages import Outputs
+
         if outputs:
-            self._send(("out", outputs))
+            self._send(Outputs(outputs))
         handoffs, self.core.handoffs = self.core.handoffs, []
         for h in handoffs:
             self._push(h)
@@ -285,11 +348,21 @@ class RankServer:
         now = time.monotonic()
         if now - self.last_report >= REPORT_S:
             self.report(now)
+        if not self.welcomed and now - self.hello_at > WELCOME_WAIT_S and not self.warned:
+            self.warned = True
+            print(
+                f"unit {self.spec.unit_id} rank {self.rank}: no answer from the API server at "
+                f"{self.spec.server} {WELCOME_WAIT_S:.0f} s after saying hello (is it up, and "
+                "do both use the same --secret-file?)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _push(self, handoff) -> None:
         import zmq
 
         from moeinfra.server.kv_transfer import pack
+        from moeinfra.server.secret import connect_securely
 
         address = handoff.target
         sock = self.kv_out.get(address)
@@ -297,13 +370,14 @@ class RankServer:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
             sock.setsockopt(zmq.SNDHWM, 0)
+            if self.keys is not None:
+                connect_securely(sock, self.keys)
             sock.connect(address)
             self.kv_out[address] = sock
         frames = pack(handoff, self.core.config.block_size)
         sock.send_multipart(frames, copy=False)  # the I/O thread sends while we compute on
         self.sent_bytes += sum(getattr(f, "nbytes", len(f)) for f in frames[1:])
         self.handoffs_sent += 1
-        self._send(("handed_off", handoff.request_id))
         self._store(handoff.prompt_ids, handoff.kv)
 
     def _store(self, prompt_ids, kv) -> None:
@@ -320,33 +394,35 @@ class RankServer:
         self.writer.submit(write)
 
     def report(self, now: float) -> None:
+        from moeinfra.server.messages import State
+
         core = self.core
         self.last_report = now
         disk = self.disk.stats if self.disk is not None else None
         spec = core.spec_stats
+        load = expert_gpu_load(core)
         self._send(
-            (
-                "state",
-                {
-                    "waiting": len(core.scheduler.waiting),
-                    "running": len(core.scheduler.running),
-                    "kv_blocks_used": core.blocks.num_used_blocks,
-                    "kv_blocks_total": core.blocks.num_blocks,
-                    "prefix_hit_tokens": core.blocks.hit_tokens,
-                    "prefix_queried_tokens": core.blocks.queried_tokens,
-                    "disk_hit_tokens": disk.hit_tokens if disk else 0,
-                    "disk_written_blocks": disk.written_blocks if disk else 0,
-                    "expert_gpu_load": expert_gpu_load(core),
-                    "rebalances": core.rebalances,
-                    "kv_sent_bytes": self.sent_bytes,
-                    "kv_received_bytes": self.received_bytes,
-                    # cumulative, as SpecStats counts them (the server adds the increments)
-                    "spec_num_drafts": spec.num_drafts,
-                    "spec_num_draft_tokens": spec.num_draft_tokens,
-                    "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                    "spec_accepted_per_pos": spec.per_position.tolist(),
-                    "steps": self._new_steps(),
-                },
+            State(
+                waiting=len(core.scheduler.waiting),
+                running=len(core.scheduler.running),
+                kv_blocks_used=core.blocks.num_used_blocks,
+                kv_blocks_total=core.blocks.num_blocks,
+                prefix_hit_tokens=core.blocks.hit_tokens,
+                prefix_queried_tokens=core.blocks.queried_tokens,
+                disk_hit_tokens=disk.hit_tokens if disk else 0,
+                disk_written_blocks=disk.written_blocks if disk else 0,
+                expert_gpu_load=None if load is None else load.tolist(),
+                rebalances=core.rebalances,
+                kv_sent_bytes=self.sent_bytes,
+                kv_received_bytes=self.received_bytes,
+                # cumulative, as SpecStats counts them (the server adds the increments)
+                spec_num_drafts=spec.num_drafts,
+                spec_num_draft_tokens=spec.num_draft_tokens,
+                spec_num_accepted_tokens=spec.num_accepted_tokens,
+                spec_accepted_per_pos=spec.per_position.tolist(),
+                dropped_frames=self.dropped_frames,
+                preemptions=core.scheduler.num_preemptions,
+                steps=self._new_steps(),
             )
         )
 
@@ -377,16 +453,24 @@ class RankServer:
     def close(self, linger_s: float | None = None) -> None:
         """Say goodbye and close the sockets; ``linger_s=0`` (a failing rank) drops what is
         unsent instead of waiting for it."""
+        from moeinfra.server.messages import Bye
+
         if self.writer is not None:
             self.writer.shutdown(wait=linger_s is None)
-        self._send(("bye", self.rank))
+        self._send(Bye(self.rank))
         linger = None if linger_s is None else int(linger_s * 1000)
         for sock in self.kv_out.values():
             sock.close(linger=linger)
         if self.kv_in is not None:
             self.kv_in.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.control.close(linger=linger)
         self.ctx.term()
+
+
+class Refused(Exception):
+    """The API server told the unit to stop at its hello (another model, drafting mismatch)."""
 
 
 def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -> None:
@@ -430,8 +514,12 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
         comm.close()
         if spec.ranks > 1:
             dist.destroy_process_group()
+        if server.refused:
+            raise Refused(server.refused)
     except BaseException as err:
-        if not isinstance(err, KeyboardInterrupt):
+        if isinstance(err, Refused):
+            print(f"unit {spec.unit_id} rank {rank}: {err}", file=sys.stderr, flush=True)
+        elif not isinstance(err, KeyboardInterrupt):
             print(
                 f"unit {spec.unit_id} rank {rank} failed:\n{traceback.format_exc(limit=8)}",
                 file=sys.stderr,
@@ -479,6 +567,8 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
             rank_main(spec, 0, None)
         except KeyboardInterrupt:
             return 130
+        except Refused:
+            return 1
         return 0
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
