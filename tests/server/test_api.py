@@ -124,11 +124,11 @@ def test_models_health_and_metrics(server, client, model):
         "moeinfra:prefix_cache_hit_tokens_total",
         "moeinfra:expert_balancedness",
         'moeinfra:units_alive{role="decode"} 1.0',
-        "moeinfra:kv_transfer_received_bytes",
+        "moeinfra:kv_transfer_received_bytes_total",
     ):
         assert name in text, name
     assert metric(server.url, "moeinfra:time_to_first_token_seconds_count") >= 1
-    wait_until(lambda: metric(server.url, "moeinfra:kv_transfer_received_bytes") > 0)
+    wait_until(lambda: metric(server.url, "moeinfra:kv_transfer_received_bytes_total") > 0)
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(server, tiny_bpe):

@@ -12,6 +12,7 @@ import httpx
 from tests.server.conftest import ServerProcess, fake_router, metric, wait_until
 
 from moeinfra.engine import LLM, SamplingParams
+from moeinfra.server.messages import Abort, Add, Bye
 
 SMALL = ["--block-size", "16", "--num-kv-blocks", "256", "--prefill-ranks", "1"]
 
@@ -36,12 +37,29 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _leave_unanswered(url: str, body: dict) -> None:
+    """Send a non-streamed request and hang up before its answer."""
+    host, port = url.split("//")[1].split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
+        wait_until(lambda: metric(url, "moeinfra:requests_in_flight") >= 1)
+
+
 def test_sigterm_drains_running_requests_then_everything_exits(tiny_bpe):
-    srv = ServerProcess(["--model", str(tiny_bpe), *SMALL, "--decode-ranks", "2"])
+    """A streamed request runs to its end; a non-streamed one whose client hung up is aborted
+    and its handler freed (it does not hold the drain for ``--drain-timeout``)."""
+    srv = ServerProcess(["--model", str(tiny_bpe), *SMALL, "--decode-ranks", "2",
+                         "--drain-timeout", "300s"])  # fmt: skip
     port = int(srv.url.rsplit(":", 1)[1])
     children = srv.children()
     assert len(children) >= 4  # prefill unit, decode unit and its two ranks
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 150, "ignore_eos": True}
+    _leave_unanswered(srv.url, {**body, "max_tokens": 1500})
+    wait_until(lambda: metric(srv.url, "moeinfra:requests_total", 'finish_reason="abort"') >= 1)
     with cf.ThreadPoolExecutor(1) as pool:
         running = pool.submit(_stream, srv.url, {**body, "stream": True})
         wait_until(
@@ -152,7 +170,7 @@ def test_a_unit_saying_goodbye_on_its_own_loses_its_requests():
         tracked = Tracked("r1", [1, 2, 3], SamplingParams(), 0)
         tracked.prefill, tracked.decode = prefill, decode
         router.requests["r1"] = tracked
-        router._on_message(b"p0/0", ("bye", 0))
+        router._on_message(b"p0/0", Bye(0))
         assert not router.units["p0"].alive
         first = await aio.wait_for(tracked.events.get(), 1.0)
         return first, await aio.wait_for(tracked.events.get(), 1.0)
@@ -165,7 +183,7 @@ def test_a_unit_saying_goodbye_on_its_own_loses_its_requests():
 def test_a_drained_unit_saying_goodbye_is_not_a_loss():
     router = fake_router({"p0": ("prefill", 0.0)})
     router.drain("p0")
-    router._on_message(b"p0/0", ("bye", 0))
+    router._on_message(b"p0/0", Bye(0))
     assert not router.units["p0"].alive and not any("stopped" in n for n in router.notes)
 
 
@@ -194,7 +212,7 @@ def test_an_output_of_the_attempt_a_retry_replaced_is_not_taken_for_the_retrys()
     """A decode unit dies while a request's first token is on its way from the prefill rank: the
     retry goes to the same prefill rank under a new id, and the old attempt's late token is
     dropped (and stopped there), not shown as the retry's."""
-    from moeinfra.engine.core import StepOutput
+    from moeinfra.engine.outputs import StepOutput
     from moeinfra.server.router import Tracked
 
     router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0), "d1": ("decode", 0.0)})
@@ -203,15 +221,17 @@ def test_an_output_of_the_attempt_a_retry_replaced_is_not_taken_for_the_retrys()
     tracked = Tracked("cmpl-1", [1, 2, 3], SamplingParams(max_tokens=4), 0)
     router.submit(tracked)
     prefill, first_decode = tracked.prefill, tracked.decode
-    assert sent[-1][:1] == ("p0",) and sent[-1][1][:2] == ("add", "cmpl-1")
+    assert sent[-1][0] == "p0" and sent[-1][1] == Add(
+        "cmpl-1", [1, 2, 3], tracked.params, first_decode.kv_address
+    )
     router.unit_lost(first_decode.unit, "exited")
     assert tracked.decode is not first_decode and tracked.prefill is prefill
-    assert ("p0", ("abort", "cmpl-1")) in sent
-    retry_id = sent[-1][1][1]
-    assert sent[-1][1][0] == "add" and retry_id != "cmpl-1"
+    assert ("p0", Abort("cmpl-1")) in sent
+    retry_id = sent[-1][1].request_id
+    assert isinstance(sent[-1][1], Add) and retry_id != "cmpl-1"
     assert tracked.events.get_nowait() == ("restart", "cmpl-1")
     router._output(prefill, StepOutput("cmpl-1", [7], "x", False))  # the old attempt's token
-    assert tracked.events.empty() and sent[-1] == ("p0", ("abort", "cmpl-1"))
+    assert tracked.events.empty() and sent[-1] == ("p0", Abort("cmpl-1"))
     router._output(prefill, StepOutput(retry_id, [8], "y", False))
     out = tracked.events.get_nowait()
     assert (out.request_id, out.new_token_ids) == ("cmpl-1", [8])
@@ -222,7 +242,7 @@ def test_decode_tokens_that_overtake_the_first_token_wait_for_it():
     """The decode rank's tokens travel on another connection than the prefill rank's first token
     and can arrive before it (seen under load: an answer starting with its second and third
     tokens). The router holds them until the first token arrives, then passes them on in order."""
-    from moeinfra.engine.core import StepOutput
+    from moeinfra.engine.outputs import StepOutput
     from moeinfra.server.router import Tracked
 
     router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0)})

@@ -104,6 +104,20 @@ _THREADS = typer.Option(
 )
 
 
+_SECRET = typer.Option(
+    None,
+    "--secret-file",
+    help="A file holding a shared secret (16+ bytes; e.g. openssl rand -hex 32): the control and "
+    "KV sockets then admit only peers with the same secret and encrypt what they carry (CurveZMQ). "
+    "Needed to bind them beyond loopback.",
+)
+_INSECURE = typer.Option(
+    False,
+    "--insecure",
+    help="Bind the control / KV sockets beyond loopback without a secret (a trusted network).",
+)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``up`` and ``unit`` to the ``serve`` command group."""
 
@@ -179,6 +193,40 @@ def register(app: typer.Typer) -> None:
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
         cpu_threads: int | None = _THREADS,
+        secret_file: Path | None = _SECRET,
+        insecure: bool = _INSECURE,
+        max_request_bytes: int = typer.Option(
+            32 << 20, "--max-request-bytes", help="Larger request bodies get a 413."
+        ),
+        metric_names: str = typer.Option(
+            "both",
+            "--metric-names",
+            help="Names of the /metrics series: moeinfra, vllm (what vLLM's Grafana dashboards "
+            "query) or both.",
+        ),
+        chat_template: str | None = typer.Option(
+            None,
+            "--chat-template",
+            help="A Jinja file rendering chats instead of the checkpoint's, or a built-in: "
+            "deepseek_v3_tools, deepseek_v31_tools (DeepSeek's templates writing `tools` too).",
+        ),
+        tool_call_parser: str | None = typer.Option(
+            None,
+            "--tool-call-parser",
+            help="Read tool calls from the output: deepseek_v3 (V3, R1), deepseek_v31 (V3.1, "
+            "V3.2-Exp) or deepseek_v32 (V3.2).",
+        ),
+        enable_auto_tool_choice: bool = typer.Option(
+            False,
+            "--enable-auto-tool-choice",
+            help='Allow tool_choice "auto" (the default with tools).',
+        ),
+        reasoning_parser: str | None = typer.Option(
+            None,
+            "--reasoning-parser",
+            help="Split thinking into reasoning_content: deepseek_r1, or deepseek_v3 (V3.1 / V3.2: "
+            "when chat_template_kwargs turn thinking on).",
+        ),
         autoscale: bool = typer.Option(
             False,
             "--autoscale",
@@ -204,6 +252,12 @@ def register(app: typer.Typer) -> None:
             input_folder(model, "--model")
         if kv_cache_dir is not None:
             output_folder(kv_cache_dir, "--kv-cache-dir")
+        if secret_file is not None:
+            input_file(secret_file, "--secret-file")
+        if chat_template is not None:
+            from moeinfra.server.launch import chat_template_text
+
+            chat_template_text(chat_template)
         drain_timeout_s = parse_duration_s(drain_timeout, "--drain-timeout")
         unit_timeout_s = parse_duration_s(unit_timeout, "--unit-timeout")
         comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")
@@ -270,6 +324,14 @@ def register(app: typer.Typer) -> None:
             comm_delay_s=comm_delay_s,
             noop_model=noop_model,
             cpu_threads=cpu_threads,
+            secret_file=secret_file,
+            insecure=insecure,
+            max_request_bytes=max_request_bytes,
+            metric_names=metric_names,
+            chat_template=chat_template,
+            tool_call_parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            reasoning_parser=reasoning_parser,
             autoscale=policy,
         )
         code = serve(options, announce=lambda line: print(line, file=sys.stderr, flush=True))
@@ -303,6 +365,8 @@ def register(app: typer.Typer) -> None:
         comm_delay: str = _DELAY,
         noop_model: bool = _NOOP,
         cpu_threads: int | None = _THREADS,
+        secret_file: Path | None = _SECRET,
+        insecure: bool = _INSECURE,
         nproc_per_node: int | None = typer.Option(
             None,
             "--nproc-per-node",
@@ -336,6 +400,11 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--cpu-threads={cpu_threads} must be >= 1")
         if not server.startswith("tcp://") or ":" not in server[6:]:
             raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
+        from moeinfra.server.secret import check_exposure, read_secret
+
+        keys = read_secret(input_file(secret_file, "--secret-file")) if secret_file else None
+        if role == "decode":
+            check_exposure({"--kv-host": kv_host}, keys, insecure)
         here = ranks if nproc_per_node is None else nproc_per_node
         rendezvous = _rendezvous(ranks, here, node_rank, master_addr, master_port, unit_id)
         model_dir = input_folder(model, "--model") if model is not None else default_model()
@@ -369,6 +438,7 @@ def register(app: typer.Typer) -> None:
             local_ranks=here,
             rendezvous=rendezvous,
             threads=cpu_threads,
+            secret_file=str(secret_file) if secret_file else None,
         )
         raise typer.Exit(run_unit(spec, parent_pid=parent_pid))
 

@@ -88,6 +88,14 @@ class ServeOptions:
     autoscale: AutoscalePolicy | None = None
     noop_model: bool = False
     cpu_threads: int | None = None  # per rank; None: this host's cores shared by its ranks
+    secret_file: Path | None = None  # shared secret: CURVE on the control and KV sockets
+    max_request_bytes: int = 32 << 20  # larger bodies get a 413
+    metric_names: str = "both"  # moeinfra, vllm or both
+    chat_template: str | None = None  # a Jinja file or built-in name (BUILT_IN_TEMPLATES)
+    tool_call_parser: str | None = None  # deepseek_v3, deepseek_v31 or deepseek_v32
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # deepseek_r1 or deepseek_v3
+    insecure: bool = False  # bind the control / KV sockets beyond loopback without a secret
 
     def __post_init__(self) -> None:
         for name in ("prefill_units", "decode_units", "colocated_units"):
@@ -104,6 +112,25 @@ class ServeOptions:
             )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"--cpu-threads={self.cpu_threads} must be >= 1")
+        if self.max_request_bytes < 1:
+            raise InputError(f"--max-request-bytes={self.max_request_bytes} must be >= 1")
+        from moeinfra.server.metrics import NAME_SETS
+
+        if self.metric_names not in NAME_SETS:
+            raise InputError(
+                f"--metric-names={self.metric_names!r} must be one of {', '.join(NAME_SETS)}"
+            )
+        from moeinfra.server.reasoning import REASONING_PARSERS
+        from moeinfra.server.tool_parsers import PARSERS
+
+        for option, value, allowed in (
+            ("--tool-call-parser", self.tool_call_parser, PARSERS),
+            ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+        ):
+            if value is not None and value not in allowed:
+                raise InputError(f"{option}={value!r} must be one of {', '.join(allowed)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise InputError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.max_queue < 0:
             raise InputError(f"--max-queue={self.max_queue} must be >= 0")
         if not self.unit_timeout_s >= 1.0:  # ranks report every 0.25 s and after every step
@@ -119,6 +146,26 @@ class ServeOptions:
                         f"--{role}-units={count} must be within --min-{role}-units={low} and "
                         f"--max-{role}-units={high} with --autoscale"
                     )
+
+
+#: Chat templates that ship with moeinfra (``--chat-template NAME``): DeepSeek's, also writing a
+#: request's ``tools`` into the system prompt in the format the tool parser of the same version
+#: reads (DeepSeek's own V3 / V3.1 templates leave ``tools`` out).
+BUILT_IN_TEMPLATES = ("deepseek_v3_tools", "deepseek_v31_tools")
+
+
+def chat_template_text(value: str) -> str:
+    """The Jinja text of ``--chat-template``: a file, or a name in :data:`BUILT_IN_TEMPLATES`."""
+    if value in BUILT_IN_TEMPLATES and not Path(value).exists():
+        from importlib import resources
+
+        return resources.files("moeinfra.server").joinpath(f"templates/{value}.jinja").read_text()
+    path = Path(value)
+    if not path.is_file():
+        raise InputError(
+            f"--chat-template={value}: no such file (or a built-in: {', '.join(BUILT_IN_TEMPLATES)})"
+        )
+    return path.read_text()
 
 
 def unit_command(
@@ -147,6 +194,10 @@ def unit_command(
         cmd += ["--noop-model"]
     if options.cpu_threads is not None:
         cmd += ["--cpu-threads", str(options.cpu_threads)]
+    if options.secret_file is not None:
+        cmd += ["--secret-file", str(Path(options.secret_file).resolve())]
+    if options.insecure:
+        cmd += ["--insecure"]
     defaults = EngineConfig()
     for f in fields(EngineConfig):
         value = getattr(options.engine, f.name)
@@ -215,9 +266,11 @@ def serve(options: ServeOptions, announce=print) -> int:
     from moeinfra.engine.registry import architecture
     from moeinfra.engine.tiny import default_model
     from moeinfra.engine.tokenizer import Tokenizer
-    from moeinfra.server.api import ServerLimits, create_app
+    from moeinfra.server.api import ServerLimits, create_app, tokenizer_config
+    from moeinfra.server.chat_output import ChatOptions
     from moeinfra.server.metrics import ServerMetrics
     from moeinfra.server.router import Router
+    from moeinfra.server.secret import check_exposure, read_secret
     from moeinfra.server.unit import check_drafting, config_digest, threads_per_rank
 
     if options.cpu_threads is None:
@@ -229,6 +282,8 @@ def serve(options: ServeOptions, announce=print) -> int:
     engine = options.engine
     check_drafting(model_dir, engine.num_speculative_tokens)
     tokenizer = Tokenizer(model_dir)
+    if options.chat_template is not None:
+        tokenizer.set_chat_template(chat_template_text(options.chat_template))
     per_rank_tokens = engine.num_kv_blocks * engine.block_size
     max_model_len = options.max_model_len or min(
         model_config.max_position_embeddings, per_rank_tokens
@@ -239,7 +294,12 @@ def serve(options: ServeOptions, announce=print) -> int:
             "tokens = --num-kv-blocks x --block-size)"
         )
     name = options.served_model_name or model_dir.name
-    metrics = ServerMetrics()
+    keys = read_secret(options.secret_file) if options.secret_file is not None else None
+    exposed = {"--control": options.control}
+    if options.decode_units or options.autoscale is not None:
+        exposed["--kv-host"] = options.kv_host
+    check_exposure(exposed, keys, options.insecure)
+    metrics = ServerMetrics(options.metric_names, name, max_model_len)
     router = Router(
         options.control,
         config_digest(model_dir),
@@ -247,6 +307,7 @@ def serve(options: ServeOptions, announce=print) -> int:
         unit_timeout_s=options.unit_timeout_s,
         metrics=metrics,
         drafting=engine.num_speculative_tokens > 0,
+        keys=keys,
     )
     cache_probe = None
     if options.kv_cache_dir is not None:
@@ -310,6 +371,12 @@ def serve(options: ServeOptions, announce=print) -> int:
         metrics=metrics,
         lifespan=lifespan,
         model_config=raw,
+        model_root=str(model_dir),
+        tokenizer_config=tokenizer_config(model_dir),
+        max_request_bytes=options.max_request_bytes,
+        chat_options=ChatOptions(
+            options.tool_call_parser, options.enable_auto_tool_choice, options.reasoning_parser
+        ),
     )
     app.state.router = router
     config = uvicorn.Config(
