@@ -206,3 +206,20 @@ def test_drafts_change_neither_tokens_nor_logprobs_under_penalties(
     assert drafted.token_ids == plain.token_ids
     for a, b in zip(drafted.logprobs, plain.logprobs, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LOGPROB_TOL
+
+
+def test_a_grammar_masks_the_embeddings_padding_past_the_tokenizer(llm):
+    """DeepSeek-V3's embedding has 129,280 rows for 128,815 tokens: the grammar's mask covers the
+    tokens and never allows the padding (a mask shorter than the logits crashed the rank)."""
+    import llguidance
+
+    from moeinfra.engine.structured import Grammars
+
+    vocab = llm.tokenizer.vocab_size
+    grammars = Grammars(llm.tokenizer, vocab + 100, {1})
+    grammar = grammars.matcher(llguidance.LLMatcher.grammar_from_regex("[a-z]{2,4}"), [])
+    logits = torch.zeros(vocab + 100)
+    grammar.mask(logits)
+    allowed = (logits == 0).nonzero().flatten().tolist()
+    assert allowed and max(allowed) < vocab
+    assert all(llm.tokenizer.decode([t]).isalpha() for t in allowed)

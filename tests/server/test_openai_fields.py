@@ -210,6 +210,9 @@ def test_odd_values_and_unknown_fields(server):
     assert _post(server, "/v1/chat/completions", hi | {"n": 0}).status_code == 400
     assert _post(server, "/v1/chat/completions", hi | {"best_of": 3}).status_code == 400
     assert _post(server, "/v1/chat/completions", hi | {"best_of": 1}).status_code == 200
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    auto = _post(server, "/v1/chat/completions", hi | {"tools": [tool]})  # auto: no parser here
+    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
     ok = _post(server, "/v1/chat/completions", hi | {"some_field_no_server_knows": 1})
     assert ok.status_code == 200  # ignored with a warning, as vLLM does
     r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0})

@@ -87,7 +87,11 @@ class Grammar:
     def mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of the tokens the grammar does not allow next to -inf (in place)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: logits_row.shape[-1]].astype(bool)
+        allowed = np.zeros(logits_row.shape[-1], dtype=bool)
+        # the mask covers the tokenizer's vocabulary; the embedding's padding past it (DeepSeek-V3:
+        # 128,815 tokens, 129,280 rows) is never allowed
+        known = np.unpackbits(bits, bitorder="little")[: allowed.size]
+        allowed[: known.size] = known
         logits_row[torch.from_numpy(~allowed).to(logits_row.device)] = -math.inf
 
     def advance(self, token: int) -> bool:

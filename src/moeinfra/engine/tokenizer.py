@@ -78,9 +78,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self._template = None
         self._token_texts: dict[int, str] = {}
-        self._added_ids = set(self._tok.get_added_tokens_decoder())
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self._byte_decoder = _byte_decoder() if decoder.get("type") == "ByteLevel" else {}
+        self._bytes_of: tuple[set[int], dict[str, int]] | None = None  # (added ids, byte map)
 
     @property
     def vocab_size(self) -> int:
@@ -123,11 +121,18 @@ class Tokenizer:
         """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
         character: these bytes, joined over a text's tokens, are the text's UTF-8)."""
         piece = self._tok.id_to_token(token_id)
-        byte_of = self._byte_decoder
+        if self._bytes_of is None:  # on first use: reading the whole tokenizer takes ~0.3 s
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            byte_level = decoder.get("type") == "ByteLevel"
+            self._bytes_of = (
+                set(self._tok.get_added_tokens_decoder()),
+                _byte_decoder() if byte_level else {},
+            )
+        added, byte_of = self._bytes_of
         if (
             byte_of
             and piece is not None
-            and token_id not in self._added_ids
+            and token_id not in added
             and all(c in byte_of for c in piece)
         ):
             return bytes(byte_of[c] for c in piece)

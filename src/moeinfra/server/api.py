@@ -654,8 +654,14 @@ def create_app(
             TokenNames(tokenizer, bool(body.return_tokens_as_token_ids)),
         )
 
-    def _response_id(body, kind: str) -> str:
-        return f"{kind}-{body.request_id or uuid.uuid4().hex}"
+    def _head(body, prefix: str, kind: str) -> dict:
+        """The fields every response and chunk opens with (the id from ``request_id``)."""
+        return {
+            "id": f"{prefix}-{body.request_id or uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": model_name,
+        }
 
     # ------------------------------------------------------------------ /v1/completions
     def _encode_prompts(body: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
@@ -702,13 +708,7 @@ def create_app(
                 400, f"max_tokens={max_tokens} must be >= 1 (0 only with echo)", "max_tokens"
             )
         _start(call, body, max_tokens)
-        created = int(time.time())
-        head = {
-            "id": _response_id(body, "cmpl"),
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-        }
+        head = _head(body, "cmpl", "text_completion")
         wants_logprobs = call.logprobs is not None
 
         def prompt_text(c: _Choice) -> str:
@@ -829,13 +829,7 @@ def create_app(
             call.grammar_after = THINK_END if parser.thinks() else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         _start(call, body, max_tokens)
-        created = int(time.time())
-        head = {
-            "id": _response_id(body, "chatcmpl"),
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-        }
+        head = _head(body, "chatcmpl", "chat.completion")
         streamed = head | {"object": "chat.completion.chunk"}
         wants_logprobs = call.logprobs is not None
 

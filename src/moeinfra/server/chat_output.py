@@ -205,6 +205,8 @@ class ChatOutput:
         """The stream delta for ``new_text`` (``final``: the output ended; flush what was
         held back). Empty when there is nothing new to show."""
         self.text += new_text
+        if self.reasoning is None and self.tools is None:  # plain text: nothing to hold back
+            return {"content": new_text} if new_text else {}
         reasoning, content, calls = self.read(self.text, final)
         sent, out = self._sent, {}
         if reasoning and reasoning.startswith(sent.reasoning) and reasoning != sent.reasoning:

@@ -59,6 +59,20 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
+def split_block(text: str, final: bool) -> tuple[str, str | None]:
+    """V3 / V3.1: ``(content, the text inside the tool-call brackets or None)``; the content is
+    the text around the brackets (what may still become their start held back)."""
+    start = text.find(CALLS_BEGIN)
+    if start < 0:
+        return text[: len(text) - (0 if final else held_back(text, CALLS_BEGIN))], None
+    content, block = text[:start], text[start + len(CALLS_BEGIN) :]
+    end = block.find(CALLS_END)
+    if end >= 0:
+        content += block[end + len(CALLS_END) :]
+        block = block[:end]
+    return content, block
+
+
 class ToolParser:
     """Reads one tool-call format; ``final`` parses a finished output (nothing held back)."""
 
@@ -78,15 +92,9 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
 
     def parse(self, text: str, final: bool = True) -> Parsed:
-        start = text.find(CALLS_BEGIN)
-        if start < 0:
-            keep = len(text) - (0 if final else held_back(text, CALLS_BEGIN))
-            return Parsed(text[:keep])
-        content, block = text[:start], text[start + len(CALLS_BEGIN) :]
-        end = block.find(CALLS_END)
-        if end >= 0:
-            content += block[end + len(CALLS_END) :]
-            block = block[:end]
+        content, block = split_block(text, final)
+        if block is None:
+            return Parsed(content)
         calls = [self._call(part, final) for part in block.split(CALL_BEGIN)[1:]]
         return Parsed(content, [c for c in calls if c is not None])
 
@@ -118,15 +126,9 @@ class DeepSeekV31Parser(ToolParser):
     name = "deepseek_v31"
 
     def parse(self, text: str, final: bool = True) -> Parsed:
-        start = text.find(CALLS_BEGIN)
-        if start < 0:
-            keep = len(text) - (0 if final else held_back(text, CALLS_BEGIN))
-            return Parsed(text[:keep])
-        content, block = text[:start], text[start + len(CALLS_BEGIN) :]
-        end = block.find(CALLS_END)
-        if end >= 0:
-            content += block[end + len(CALLS_END) :]
-            block = block[:end]
+        content, block = split_block(text, final)
+        if block is None:
+            return Parsed(content)
         calls = []
         for part in block.split(CALL_BEGIN)[1:]:
             if SEP not in part:

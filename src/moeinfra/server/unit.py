@@ -270,7 +270,8 @@ class RankServer:
             return None
         if isinstance(message, Add):
             options = {"handoff": message.handoff}
-            if self.disk is not None:
+            # a request wanting its prompt's log-probabilities computes the whole prompt
+            if self.disk is not None and message.params.prompt_logprobs is None:
                 # only the blocks memory lacks are read (memory may still evict them before
                 # admission; then the scheduler drops the read blocks and computes)
                 ids = message.prompt_ids
