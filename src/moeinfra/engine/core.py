@@ -679,8 +679,12 @@ class EngineCore:
         if seq.grammar is not None:
             if seq.grammar.advance(token) and reason is None:
                 reason = "stop"  # the grammar is complete
-        elif params.grammar is not None and params.grammar_after in detok.text:
-            seq.grammar = self.grammars.matcher(params.grammar, [])  # the thinking ended
+        elif params.grammar is not None and new_text:
+            # the thinking ended: its marker is in the new text or straddles it (only that end
+            # of the text is searched, not the whole output every step)
+            window = detok.text[-(len(new_text) + len(params.grammar_after) - 1) :]
+            if params.grammar_after in window:
+                seq.grammar = self.grammars.matcher(params.grammar, [])
         full = detok.text
         if seq.stop_checker is not None:
             shown, stopped = seq.stop_checker.check(full)

@@ -654,6 +654,13 @@ def create_app(
             TokenNames(tokenizer, bool(body.return_tokens_as_token_ids)),
         )
 
+    def _prompt_logprobs_field(body, choice: _Choice) -> list | None:
+        """``prompt_logprobs`` of a response: only when the request named the field (as vLLM;
+        ``echo`` alone puts them in ``logprobs``)."""
+        if body.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(choice.prompt_logprobs, tokenizer)
+
     def _head(body, prefix: str, kind: str) -> dict:
         """The fields every response and chunk opens with (the id from ``request_id``)."""
         return {
@@ -723,17 +730,16 @@ def create_app(
             return c.prompt_ids, entries
 
         def choice_body(c: _Choice, text: str, ids: list[int], entries: list, finished: bool):
-            out = {
+            lp = completion_logprobs(ids, entries, call.names, c.offset) if wants_logprobs else None
+            if lp and ids:  # where the next chunk's tokens start
+                c.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            return {
                 "index": c.index,
                 "text": text,
-                "logprobs": completion_logprobs(ids, entries, call.names, c.offset)
-                if wants_logprobs
-                else None,
+                "logprobs": lp,
                 "finish_reason": c.finish_reason if finished else None,
                 "stop_reason": c.stop_reason if finished else None,
             }
-            c.offset += sum(len(call.names(t)) for t in ids) if wants_logprobs else 0
-            return out
 
         def open_(c: _Choice) -> list:
             return []
@@ -769,11 +775,7 @@ def create_app(
                     )
                     text += c.text
                 choice = choice_body(c, text, ids, entries, True)
-                choice["prompt_logprobs"] = (
-                    prompt_logprobs(c.prompt_logprobs, tokenizer)
-                    if body.prompt_logprobs is not None and c.prompt_logprobs is not None
-                    else None
-                )
+                choice["prompt_logprobs"] = _prompt_logprobs_field(body, c)
                 if body.return_token_ids:
                     choice["prompt_token_ids"] = c.prompt_ids
                     choice["token_ids"] = [] if call.echo_only else c.token_ids
@@ -818,11 +820,10 @@ def create_app(
         call = _prepare(body, [ids], [None])
         schema = forced_schema(body.tools or [], mode, function, parallel)
         # a forced tool call's schema replaces any response format (as in vLLM)
-        call.grammar = (
-            await asyncio.to_thread(grammar_of, body)
-            if schema is None
-            else json_grammar(schema, "tool_choice")
-        )
+        if schema is None:
+            call.grammar = await asyncio.to_thread(grammar_of, body)
+        else:
+            call.grammar = await asyncio.to_thread(json_grammar, schema, "tool_choice")
         if chat_options.reasoning_parser:
             parser = REASONING_PARSERS[chat_options.reasoning_parser](body.chat_template_kwargs)
             # a reasoning model thinks freely first; its answer follows the grammar (as vLLM)
@@ -892,11 +893,7 @@ def create_app(
                 choices.append(choice)
             out = head | {"choices": choices, "usage": call.usage()}
             first = call.choices[0]
-            out["prompt_logprobs"] = (
-                prompt_logprobs(first.prompt_logprobs, tokenizer)
-                if body.prompt_logprobs is not None and first.prompt_logprobs is not None
-                else None
-            )
+            out["prompt_logprobs"] = _prompt_logprobs_field(body, first)
             if body.return_token_ids:
                 out["prompt_token_ids"] = first.prompt_ids
             return out

@@ -183,7 +183,7 @@ class ChatOutput:
     def message(self, text: str, role: str) -> dict:
         """The whole message of a finished choice."""
         reasoning, content, calls = self.read(text)
-        message: dict = {"role": role, "content": content or (None if calls else content)}
+        message: dict = {"role": role, "content": None if calls and not content else content}
         if self.reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:

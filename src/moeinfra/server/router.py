@@ -461,7 +461,7 @@ class Router:
             monitor.close(linger=0)
 
     def drop_frame(self, socket: str, peer: bytes, err: Exception) -> None:
-        """Count a frame that was not a message; log the first one of each socket."""
+        """Count a frame that was not a message; log the first one."""
         if self.metrics is not None:
             self.metrics.dropped_frames.labels(socket).inc()
         self.dropped_frames += 1
@@ -501,9 +501,8 @@ class Router:
             tracked = self._current(message.request_id)
             if tracked is not None:
                 self._fail(tracked, message.message)
-        elif isinstance(
-            message, Bye
-        ):  # a unit stopping on its own (a failing rank) loses its requests
+        elif isinstance(message, Bye):
+            # a unit stopping on its own (a failing rank) loses its requests
             if rank.unit.alive and not rank.unit.draining and self.accepting:
                 self.unit_lost(rank.unit, "stopped")
             rank.unit.alive = False
