@@ -111,7 +111,9 @@ def run_transformers(
 ) -> dict:
     began = time.perf_counter()
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    run = transformers_runner(str(path), str(dtype).removeprefix("torch."), concurrency, device)
+    run = transformers_runner(
+        str(path), str(dtype).removeprefix("torch."), concurrency, device=device
+    )
     out = {"load_s": time.perf_counter() - began, "by_concurrency": {}}
     for c in concurrency:
         prompts = workload(c)

@@ -232,8 +232,12 @@ def test_only_the_ranks_own_experts_are_read(layout_path):
     assert experts_read == expected
 
 
-@pytest.mark.parametrize("shards", [2, 1])
-def test_bfloat16_checkpoint_loads_as_bfloat16_and_tracks_float32(tmp_path, tiny_path, shards):
+@pytest.mark.parametrize("shards, cpu", [(2, "native"), (1, "native"), (1, "avx2")])
+def test_bfloat16_checkpoint_loads_as_bfloat16_and_tracks_float32(
+    tmp_path, tiny_path, shards, cpu, request
+):
+    """Also on a CPU without oneDNN's bfloat16 path (``avx2``: forced), where it used to fail
+    at the first projection."""
     from moeinfra.engine import EngineConfig, EngineCore
     from moeinfra.engine.kv_cache import StepCache
     from moeinfra.moe.mla import Segment
@@ -243,6 +247,8 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_and_tracks_float32(tmp_path, tiny
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     ids = torch.arange(20, 60)
     logits = {}
+    if cpu == "avx2":
+        request.getfixturevalue("avx2_only")
     for name, folder, dtype in (("bf16", path, "bfloat16"), ("fp32", tiny_path, "float32")):
         core = EngineCore(folder, EngineConfig(dtype=dtype, block_size=8, num_kv_blocks=8))
         assert core.cache.data.dtype == getattr(torch, dtype)

@@ -350,7 +350,7 @@ def test_serve_picks_the_architectures_block_size_unless_given(tmp_path):
     assert default_block_size(tmp_path) == 512
 
     def block_size(given):
-        options = (512, given, 256, 2048, "auto", 0, 0, "auto", "cpu", 0)
+        options = (512, None, 0.9, given, 256, 2048, "auto", 0, 0, "auto", "cpu", 0)
         return _engine_config(tmp_path, *options).block_size
 
     assert block_size(None) == 512 and block_size(128) == 128

@@ -29,6 +29,8 @@ SPANNING = ["--ranks", "4", "--nproc-per-node", "2"]  # a unit over two hosts
         ([*DECODE_UNIT, "--cpu-threads", "0"], "--cpu-threads=0"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--cpu-threads", "0"], "--cpu-threads=0"),
+        (["serve", "up", "--memory-utilization", "0"], "--memory-utilization=0.0"),
+        (["serve", "up", "--num-kv-blocks", "0"], "--num-kv-blocks=0"),
         (["serve", "up", "--decode-units", "0"], "--prefill-units=1 needs --decode-units"),
         (["serve", "up", "--unit-timeout", "500ms"], "--unit-timeout=0.5"),
         (["serve", "up", "--drain-timeout", "-1s"], "--drain-timeout=-1.0"),
@@ -100,3 +102,27 @@ def test_ranks_share_the_hosts_cores_unless_omp_num_threads_says(monkeypatch, tm
     assert local_ranks(scaling) == 3 * 2 + 2 * 2
     cmd = unit_command("decode", 2, "tcp://127.0.0.1:1", ServeOptions(cpu_threads=5), tmp_path)
     assert cmd[cmd.index("--cpu-threads") + 1] == "5"
+
+
+def test_units_share_the_hosts_memory_and_max_model_len_fits_their_caches(tmp_path):
+    """Each local unit sized from memory gets its ranks' part of --memory-utilization (a fixed
+    size passes unchanged); max_model_len is lowered to a rank's cache unless asked for: then
+    the server refuses to start, as vLLM does."""
+    from dataclasses import replace
+
+    from moeinfra.engine import EngineConfig
+    from moeinfra.errors import InputError
+    from moeinfra.server.launch import ServeOptions, check_model_len, unit_command, unit_engine
+
+    options = ServeOptions(prefill_ranks=1, decode_ranks=3)  # 4 ranks on this host
+    assert unit_engine(options, 1).memory_utilization == pytest.approx(0.9 / 4)
+    assert unit_engine(options, 3).memory_utilization == pytest.approx(0.9 * 3 / 4)
+    fixed = replace(options, engine=EngineConfig(num_kv_blocks=64))
+    assert unit_engine(fixed, 1) == fixed.engine
+    local = replace(options, engine=unit_engine(options, 3))
+    cmd = unit_command("decode", 3, "tcp://127.0.0.1:1", local, tmp_path)
+    assert float(cmd[cmd.index("--memory-utilization") + 1]) == pytest.approx(0.675)
+    assert check_model_len(163840, 4096, ServeOptions()) == 4096
+    assert check_model_len(1024, 4096, ServeOptions(max_model_len=1024)) == 1024
+    with pytest.raises(InputError, match="--max-model-len=8192 exceeds one rank's KV cache"):
+        check_model_len(8192, 4096, ServeOptions(max_model_len=8192))

@@ -19,6 +19,8 @@ from moeinfra.cli.options import (
 def _engine_config(
     model_dir,
     num_kv_blocks,
+    kv_cache_memory_bytes,
+    memory_utilization,
     block_size,
     max_num_seqs,
     max_num_batched_tokens,
@@ -39,6 +41,8 @@ def _engine_config(
         return EngineConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            memory_utilization=memory_utilization,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=dtype,
@@ -49,15 +53,31 @@ def _engine_config(
             num_speculative_tokens=speculative_tokens,
         )
     except InputError as exc:
-        raise InputError(
-            str(exc).replace("num_speculative_tokens=", "--speculative-tokens=")
-        ) from None
+        message = str(exc).replace("num_speculative_tokens=", "--speculative-tokens=")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization"):
+            message = message.replace(f"{name}=", f"--{name.replace('_', '-')}=")
+        raise InputError(message) from None
 
 
 _MODEL = typer.Option(
     None, "--model", "-m", help="Checkpoint folder (default: the built-in tiny one)."
 )
-_BLOCKS = typer.Option(512, "--num-kv-blocks", help="KV blocks per rank.")
+_BLOCKS = typer.Option(
+    None,
+    "--num-kv-blocks",
+    help="KV blocks per rank (default: sized from memory: --kv-cache-memory-bytes, else "
+    "--memory-utilization).",
+)
+_KV_MEMORY = typer.Option(
+    None, "--kv-cache-memory-bytes", help="One rank's KV cache in bytes (vLLM's flag)."
+)
+_UTILIZATION = typer.Option(
+    0.9,
+    "--memory-utilization",
+    help="Share of the device's memory (the host's on the CPU) the ranks of a host use in all: "
+    "weights, activations and the KV cache, which takes what is left (vLLM's "
+    "--gpu-memory-utilization). serve up splits it over the units it starts by their ranks.",
+)
 _BLOCK = typer.Option(
     None,
     "--block-size",
@@ -180,7 +200,9 @@ def register(app: typer.Typer) -> None:
             "too) before the unit is taken as lost and its requests retried or failed, with a "
             "unit (us, ms, s): 10s.",
         ),
-        num_kv_blocks: int = _BLOCKS,
+        num_kv_blocks: int | None = _BLOCKS,
+        kv_cache_memory_bytes: int | None = _KV_MEMORY,
+        memory_utilization: float = _UTILIZATION,
         block_size: int | None = _BLOCK,
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
@@ -306,6 +328,8 @@ def register(app: typer.Typer) -> None:
             engine=_engine_config(
                 model_dir,
                 num_kv_blocks,
+                kv_cache_memory_bytes,
+                memory_utilization,
                 block_size,
                 max_num_seqs,
                 max_num_batched_tokens,
@@ -352,7 +376,9 @@ def register(app: typer.Typer) -> None:
         parent_pid: int | None = typer.Option(
             None, "--parent-pid", help="Exit when this process is gone."
         ),
-        num_kv_blocks: int = _BLOCKS,
+        num_kv_blocks: int | None = _BLOCKS,
+        kv_cache_memory_bytes: int | None = _KV_MEMORY,
+        memory_utilization: float = _UTILIZATION,
         block_size: int | None = _BLOCK,
         max_num_seqs: int = _SEQS,
         max_num_batched_tokens: int = _TOKENS,
@@ -419,6 +445,8 @@ def register(app: typer.Typer) -> None:
             engine=_engine_config(
                 model_dir,
                 num_kv_blocks,
+                kv_cache_memory_bytes,
+                memory_utilization,
                 block_size,
                 max_num_seqs,
                 max_num_batched_tokens,

@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from moeinfra.engine.indexer import IndexQuery, select_tokens
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache, gather
-from moeinfra.moe import cpu_kernels
+from moeinfra.moe import cpu_features, cpu_kernels
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.mla import MLA, Latent, Segment, latent_attention, latent_query
 
@@ -233,7 +233,7 @@ def paged_mla_attention(
     width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
     store = cached[:, :width] if sparse else cached
     if not plan.chunks and not plan.sparse and not plan.short:  # decode only: rows in order
-        if _small_decode(mla, latent, store, plan.decode_slots) and cpu_kernels.usable(
+        if _fused_decode(mla, latent, store, plan.decode_slots) and cpu_kernels.usable(
             store, latent.q_nope, latent.q_pe, mla.wkv_b.weight
         ):
             return fused_decode_attention(mla, latent, store, plan)
@@ -300,6 +300,26 @@ def _small_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Te
     projections = rows * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
     scores_and_values = per_request * slots.numel() * (store.shape[1] + c.kv_lora_rank)
     return mla.heads * (projections + scores_and_values) <= FLOAT32_DECODE_MACS
+
+
+# Cache row width (latent + RoPE key) from which a float32 decode step of any size attends through
+# the fused kernel: its 4 x 4 tiles of dot products pay over wide rows — DeepSeek-V3's 576, 16
+# heads, 16 requests over ~640 tokens: 12 vs 35 ms a layer (the torch path gathers the contexts
+# first) — while over the small benchmark checkpoint's 96 the torch path's batched matmuls are
+# faster from ~128 requests (917 vs 845 tok/s). 2 threads, AVX-512.
+FUSED_DECODE_WIDTH = 256
+
+
+def _fused_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether a decode-only step attends through :func:`fused_decode_attention`: a small step
+    (:func:`_small_decode`) always; a larger one over a float32 cache of rows from
+    :data:`FUSED_DECODE_WIDTH` wide, or a half-precision one on a CPU without oneDNN's half
+    precision (where the torch path's half-precision matmuls are torch's slow fallback)."""
+    if _small_decode(mla, latent, store, slots):
+        return True
+    if store.dtype == torch.float32:
+        return mla.config.kv_lora_rank + mla.config.qk_rope_head_dim >= FUSED_DECODE_WIDTH
+    return not cpu_features.onednn_packs(store.dtype)
 
 
 def fused_decode_attention(

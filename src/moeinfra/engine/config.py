@@ -50,7 +50,9 @@ def speculative_tokens(config: dict | None) -> int:
 class EngineConfig:
     """Knobs of a unit (the same on every rank).
 
-    ``num_kv_blocks``: KV blocks per rank (``block_size`` tokens each). ``redundant_experts``:
+    ``num_kv_blocks``: KV blocks per rank (``block_size`` tokens each); None: sized from
+    ``kv_cache_memory_bytes`` (one rank's cache) or else from ``memory_utilization`` of the
+    device's memory (see :mod:`moeinfra.engine.kv_capacity`). ``redundant_experts``:
     physical expert slots beyond one per expert, placed by EPLB. ``eplb_interval``: rebalance every
     this many steps from the expert loads of the last ``eplb_window`` steps (None: never).
     ``overlap``: dual micro-batch schedule of the MoE layers — ``auto`` (prefill schedule when the
@@ -65,7 +67,9 @@ class EngineConfig:
     """
 
     block_size: int = 64
-    num_kv_blocks: int = 512
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     dtype: str = "auto"
@@ -79,6 +83,14 @@ class EngineConfig:
     num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InputError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1 (or None)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InputError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1 (or None)"
+            )
+        if not 0 < self.memory_utilization <= 1:
+            raise InputError(f"memory_utilization={self.memory_utilization} must be in (0, 1]")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InputError(
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in "

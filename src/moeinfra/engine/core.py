@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,8 @@ from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
+from moeinfra.engine.kv_capacity import describe as describe_capacity
+from moeinfra.engine.kv_capacity import kv_capacity
 from moeinfra.engine.logits_processing import bad_word_ids, process_logits
 from moeinfra.engine.logprobs import gather, log_softmax
 from moeinfra.engine.models.mtp import with_mtp_layer
@@ -40,7 +44,7 @@ from moeinfra.engine.tokenizer import DetokenizeStream, Tokenizer
 from moeinfra.eplb import Plan, rebalance
 from moeinfra.errors import InputError
 from moeinfra.memory import keep_freed_memory
-from moeinfra.moe import cpu_kernels
+from moeinfra.moe import cpu_features, cpu_kernels
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.expert_parallel import take_step_loads
 from moeinfra.moe.mla import Segment
@@ -133,6 +137,8 @@ class EngineCore:
         local_rank = os.environ.get("LOCAL_RANK")  # torchrun's; a spawned rank's is set already
         self.device = place_rank(self.config.device, local_rank and int(local_rank))
         self.dtype = dtype = resolve_dtype(self.config.dtype, self.device)
+        if self.device.type == "cpu" and (note := cpu_features.half_precision_note(dtype)):
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
         reader = CheckpointReader(model_dir)
         keep_fp8 = keeps_fp8(self.config.fp8_weights, self.device)
         self.model = self.arch.load(
@@ -145,14 +151,19 @@ class EngineCore:
         layout = self.arch.kv_layout(self.model_config, dtype, self.config.block_size)
         if self.mtp is not None:
             layout = with_mtp_layer(layout)
-        self.cache = PagedKVCache(
-            layout, self.config.num_kv_blocks, self.config.block_size, self.device
-        )
+        block_size = self.config.block_size
+        per_block = layout.bytes_per_token * block_size
+        host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.comm.world_size))
+        capacity = kv_capacity(self.config, per_block, self.device, host_ranks)
+        if self.comm.rank == 0:
+            print(f"moeinfra engine: {describe_capacity(capacity, block_size, per_block)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self.cache = PagedKVCache(layout, capacity.blocks, block_size, self.device)
         resume = self.config.block_size
         if self.arch.resume_tokens is not None:
             resume = self.arch.resume_tokens(self.model_config, self.config.block_size)
         self.blocks = BlockManager(
-            self.config.num_kv_blocks,
+            capacity.blocks,
             self.config.block_size,
             reuse_last_block=self.mtp is None,
             prefix_blocks=resume // self.config.block_size,

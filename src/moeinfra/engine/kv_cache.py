@@ -8,6 +8,8 @@ owns is :class:`~moeinfra.engine.kv_blocks.BlockManager`'s bookkeeping; a step h
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -46,13 +48,11 @@ class PagedKVCache:
                 f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1"
             )
         self.layout, self.num_blocks, self.block_size = layout, num_blocks, block_size
-        self.data = torch.zeros(
-            layout.num_layers,
-            num_blocks * block_size,
-            layout.values_per_token,
-            dtype=layout.dtype,
-            device=device,
-        )
+        shape = (layout.num_layers, num_blocks * block_size, layout.values_per_token)
+        if torch.device(device).type == "cpu":
+            self.data = zeros_on_first_write(shape, layout.dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +66,18 @@ class PagedKVCache:
                 return self.data[layer, :, start : start + width]
             start += width
         raise InputError(f"part={name!r} is not one of {[p for p, _ in self.layout.parts]}")
+
+
+def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose memory the OS commits page by page as it is first written (an
+    anonymous private mapping reads as zeros until then; ``torch.zeros`` writes every page): a
+    cache sized from memory costs what its requests fill, as a GPU's would not."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # keeps ``pages``
 
 
 @dataclass

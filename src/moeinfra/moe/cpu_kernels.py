@@ -40,7 +40,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 ENABLE_ENV = "MOEINFRA_CPU_KERNELS"
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mtune=generic",
+    "-fopenmp",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-w",
+)
 
 
 def enabled() -> bool:

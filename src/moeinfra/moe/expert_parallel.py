@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from moeinfra.eplb import Plan, migration, replica_for_tokens
 from moeinfra.errors import InputError
-from moeinfra.moe import cpu_kernels
+from moeinfra.moe import cpu_features, cpu_kernels
 from moeinfra.moe.comm import Communicator, Pending
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
@@ -394,19 +394,26 @@ class ExpertParallelMoE(nn.Module):
 PER_SLOT_GEMM_ROWS = 64
 
 
-# Routed rows up to which a step's experts run as moeinfra's CPU kernel (``expert_rows``: each run
-# of one slot's rows reads that slot's weights once, in place, no copies): 4 rows of hidden 256 in
-# ~20 us against ~80-90 gathered per row, 32 rows ~100-150 against ~300; at 64 rows bfloat16 is
-# no faster (240 vs 270 us). 2 threads.
+# Routed rows up to which a half-precision step's experts run as moeinfra's CPU kernel
+# (``expert_rows``: each run of one slot's rows reads that slot's weights once, in place, no
+# copies) where oneDNN has the dtype: 4 rows of hidden 256 in ~20 us against ~80-90 gathered per
+# row, 32 rows ~100-150 against ~300; from 256 rows oneDNN's bfloat16 GEMMs are 2-3x as fast.
 KERNEL_EXPERT_ROWS = 32
+# Float32 rows (and half-precision ones on a CPU without oneDNN's half precision) run as the
+# kernel up to this many per slot on average: its 4 x 4 tiles beat the padded batch and the
+# per-slot GEMMs there — 512 rows over 64 slots of hidden 1,024, 512-wide experts: 27 vs 38 and 57
+# ms; 2,048 rows: 79 vs 115 and 98 ms; 32 slots of hidden 256 from 4,096 rows on (64 a slot) the
+# per-slot GEMMs win (13 vs 22 ms). 2 threads, AVX-512.
+KERNEL_ROWS_PER_SLOT = 32
 
 
 def _kernel_rows(rows: torch.Tensor, w13: torch.Tensor) -> bool:
-    return (
-        0 < rows.shape[0] <= KERNEL_EXPERT_ROWS
-        and rows.dtype == w13.dtype
-        and cpu_kernels.usable(rows, w13)
-    )
+    n = rows.shape[0]
+    if not (n > 0 and rows.dtype == w13.dtype and cpu_kernels.usable(rows, w13)):
+        return False
+    if rows.dtype == torch.float32 or not cpu_features.onednn_packs(rows.dtype):
+        return n <= KERNEL_ROWS_PER_SLOT * w13.shape[0]
+    return n <= KERNEL_EXPERT_ROWS
 
 
 def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:

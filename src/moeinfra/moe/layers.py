@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from moeinfra.moe import cpu_kernels
+from moeinfra.moe import cpu_features, cpu_kernels
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.gate import Gate
 
@@ -22,15 +22,16 @@ _PACKED_FOR_ROWS = 8
 
 
 def _to_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight^T`` goes to oneDNN: CPU inference in bfloat16 (always), or in float32
-    from :data:`ONEDNN_MIN_MACS` on."""
+    """Whether ``x @ weight^T`` goes to oneDNN: CPU inference in bfloat16 (always, where the CPU
+    has oneDNN's bfloat16 path: :mod:`~moeinfra.moe.cpu_features`), or in float32 from
+    :data:`ONEDNN_MIN_MACS` on."""
     return (
         _ONEDNN
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and not torch.is_grad_enabled()
         and (
-            x.dtype == torch.bfloat16
+            (x.dtype == torch.bfloat16 and cpu_features.onednn_packs(torch.bfloat16))
             or (x.dtype == torch.float32 and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS)
         )
     )

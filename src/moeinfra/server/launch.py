@@ -213,6 +213,8 @@ def unit_command(
 UNIT_ENGINE_FLAGS = {
     "block_size": "--block-size",
     "num_kv_blocks": "--num-kv-blocks",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+    "memory_utilization": "--memory-utilization",
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "dtype": "--dtype",
@@ -242,6 +244,30 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_model_len(max_model_len: int, kv_tokens: int, options: ServeOptions) -> int:
+    """``max_model_len`` within one rank's KV cache of ``kv_tokens``: lowered to it unless the
+    user asked for more (then an error naming both, as vLLM refuses to start)."""
+    if max_model_len <= kv_tokens:
+        return max_model_len
+    if options.max_model_len is None:
+        return kv_tokens
+    raise InputError(
+        f"--max-model-len={max_model_len} exceeds one rank's KV cache ({kv_tokens} tokens: "
+        "--num-kv-blocks x --block-size, or what --kv-cache-memory-bytes / "
+        "--memory-utilization leave)"
+    )
+
+
+def unit_engine(options: ServeOptions, role_ranks: int) -> EngineConfig:
+    """A local unit's engine options: with its cache sized from memory, its share of
+    ``memory_utilization`` by its ranks among every rank ``serve up`` runs on this host."""
+    engine = options.engine
+    if engine.num_kv_blocks is not None or engine.kv_cache_memory_bytes is not None:
+        return engine
+    share = engine.memory_utilization * role_ranks / max(local_ranks(options), role_ranks)
+    return replace(engine, memory_utilization=share)
+
+
 def local_ranks(options: ServeOptions) -> int:
     """Engine ranks ``serve up`` runs on this host at most: the units it starts (with
     ``--autoscale``, as many as the policy may add)."""
@@ -266,6 +292,7 @@ def serve(options: ServeOptions, announce=print) -> int:
     from moeinfra.engine.registry import architecture
     from moeinfra.engine.tiny import default_model
     from moeinfra.engine.tokenizer import Tokenizer
+    from moeinfra.moe import cpu_features
     from moeinfra.server.api import ServerLimits, create_app, tokenizer_config
     from moeinfra.server.chat_output import ChatOptions
     from moeinfra.server.metrics import ServerMetrics
@@ -284,15 +311,9 @@ def serve(options: ServeOptions, announce=print) -> int:
     tokenizer = Tokenizer(model_dir)
     if options.chat_template is not None:
         tokenizer.set_chat_template(chat_template_text(options.chat_template))
-    per_rank_tokens = engine.num_kv_blocks * engine.block_size
-    max_model_len = options.max_model_len or min(
-        model_config.max_position_embeddings, per_rank_tokens
-    )
-    if max_model_len > per_rank_tokens:
-        raise InputError(
-            f"--max-model-len={max_model_len} exceeds one rank's KV cache ({per_rank_tokens} "
-            "tokens = --num-kv-blocks x --block-size)"
-        )
+    max_model_len = options.max_model_len or model_config.max_position_embeddings
+    if engine.num_kv_blocks is not None:  # else known once the units have sized their caches
+        check_model_len(max_model_len, engine.num_kv_blocks * engine.block_size, options)
     name = options.served_model_name or model_dir.name
     keys = read_secret(options.secret_file) if options.secret_file is not None else None
     exposed = {"--control": options.control}
@@ -324,8 +345,9 @@ def serve(options: ServeOptions, announce=print) -> int:
     def spawn(role: str) -> None:
         """Start one local unit of ``role`` (it joins the router when its ranks are up)."""
         unit_id = f"{role}-{uuid.uuid4().hex[:6]}"
+        local = replace(options, engine=unit_engine(options, ranks_of[role]))
         cmd = unit_command(
-            role, ranks_of[role], router.control_address, options, model_dir, unit_id, os.getpid()
+            role, ranks_of[role], router.control_address, local, model_dir, unit_id, os.getpid()
         )
         proc = subprocess.Popen(cmd, start_new_session=True)
         router.expect_unit(unit_id, role, ranks_of[role], proc)
@@ -343,6 +365,9 @@ def serve(options: ServeOptions, announce=print) -> int:
                 for _ in range(count):
                     spawn(role)
             await router.wait_ready(options.start_timeout_s)
+            capacity = router.kv_tokens_per_rank()
+            if capacity is not None:
+                limits.max_model_len = check_model_len(limits.max_model_len, capacity, options)
         except BaseException:
             await router.shutdown()
             raise
@@ -351,6 +376,7 @@ def serve(options: ServeOptions, announce=print) -> int:
             app_.state.autoscaler = autoscaler
             scaler = asyncio.create_task(autoscaler.run())
         units = ", ".join(f"{u.role} {u.unit_id} x{u.num_ranks}" for u in router.units.values())
+        announce(f"moeinfra serve: this host's CPU: {cpu_features.detect().describe()}")
         announce(
             f"moeinfra serve: ready at http://{options.host}:{port}/v1 (model {name}; units: "
             f"{units or 'none yet'}; control {router.control_address})"

@@ -313,6 +313,17 @@ class Router:
     def live_units(self, roles: tuple[str, ...]) -> list[UnitState]:
         return [u for u in self.units.values() if u.ready and not u.draining and u.role in roles]
 
+    def kv_tokens_per_rank(self) -> int | None:
+        """The smallest KV cache (tokens) of any live unit's rank, as the ranks reported it in
+        their hellos (None: no unit yet)."""
+        sizes = [
+            r.info.num_kv_blocks * r.info.block_size
+            for u in self.live_units(("prefill", "decode", "colocated"))
+            for r in u.ranks
+            if r.info is not None and r.info.num_kv_blocks
+        ]
+        return min(sizes, default=None)
+
     def capacity(self) -> int:
         """Requests the system holds before refusing: decode slots plus the admission queue."""
         decoders = self.live_units(("decode", "colocated"))

@@ -218,7 +218,7 @@ class RankServer:
                 kv_address=self.kv_address,
                 pid=os.getpid(),
                 host=os.uname().nodename,
-                num_kv_blocks=core.config.num_kv_blocks,
+                num_kv_blocks=core.cache.num_blocks,
                 block_size=core.config.block_size,
                 max_num_batched_tokens=core.config.max_num_batched_tokens,
                 redundant_experts=core.config.redundant_experts,

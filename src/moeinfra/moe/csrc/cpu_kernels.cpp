@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -34,6 +35,108 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// 16 floats in one vector register (two on AVX2): GCC's and Clang's vector extension.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline f32x16 load16(const T* p) {  // float16: converted one by one
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+template <>
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <>
+inline f32x16 load16(const c10::BFloat16* p) {  // a bfloat16 is a float's upper half
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The sum of a vector's 16 lanes, halving it three times (a scalar loop over the lanes is a chain
+// of 16 dependent adds, which cost more than the products for rows of ~1,000 values).
+inline float hsum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The 16 dot products of 4 float rows `x[i]` with 4 rows `w[j]` of n values, into out[i * 4 + j]:
+// each value loaded once serves four products (16 vector accumulators), where one dot product at
+// a time loads two values per multiply-add and is bound by the loads. Callers with fewer rows
+// repeat one (its products are computed and dropped).
+template <typename T>
+inline void dot_4x4(const float* const x[4], const T* const w[4], int64_t n, float* out) {
+  f32x16 acc[4][4] = {};
+  const int64_t whole = n - n % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const f32x16 v0 = load16(w[0] + i), v1 = load16(w[1] + i), v2 = load16(w[2] + i),
+                 v3 = load16(w[3] + i);
+    for (int r = 0; r < 4; ++r) {
+      const f32x16 u = load16(x[r] + i);
+      acc[r][0] += u * v0, acc[r][1] += u * v1, acc[r][2] += u * v2, acc[r][3] += u * v3;
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) {
+      float tail = 0.f;
+      for (int64_t i = whole; i < n; ++i) tail += x[r][i] * static_cast<float>(w[c][i]);
+      out[r * 4 + c] = hsum(acc[r][c]) + tail;
+    }
+}
+
+// dot_4x4 for one x row: out[j] = dot(x, w[j])
+template <typename T>
+inline void dot_1x4(const float* x, const T* const w[4], int64_t n, float* out) {
+  f32x16 acc[4] = {};
+  const int64_t whole = n - n % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const f32x16 u = load16(x + i);
+    for (int c = 0; c < 4; ++c) acc[c] += u * load16(w[c] + i);
+  }
+  for (int c = 0; c < 4; ++c) {
+    float tail = 0.f;
+    for (int64_t i = whole; i < n; ++i) tail += x[i] * static_cast<float>(w[c][i]);
+    out[c] = hsum(acc[c]) + tail;
+  }
+}
+
+// products[r][j] = dot(x row r, w row j) for `count` x rows (stride x_stride) and `columns` w rows
+// (stride w_stride), tiled 4 x 4 by dot_4x4; products has `columns` values per row.
+template <typename T>
+inline void dot_tiles(const float* x, int64_t x_stride, int64_t count, const T* w,
+                      int64_t w_stride, int64_t columns, int64_t n, float* products) {
+  float tile[16];
+  for (int64_t r = 0; r < count; r += 4) {
+    const float* xs[4];
+    for (int64_t i = 0; i < 4; ++i) xs[i] = x + std::min(r + i, count - 1) * x_stride;
+    for (int64_t c = 0; c < columns; c += 4) {
+      const T* ws[4];
+      for (int64_t j = 0; j < 4; ++j) ws[j] = w + std::min(c + j, columns - 1) * w_stride;
+      if (r + 1 == count)
+        dot_1x4(xs[0], ws, n, tile);
+      else
+        dot_4x4(xs, ws, n, tile);
+      for (int64_t i = 0; i < 4 && r + i < count; ++i)
+        for (int64_t j = 0; j < 4 && c + j < columns; ++j)
+          products[(r + i) * columns + c + j] = tile[i * 4 + j];
+    }
+  }
+}
+
 // Splits n tasks of `task_macs` multiply-adds each into at least 64K-multiply-add chunks: waking
 // a thread costs more than a smaller chunk saves.
 inline int64_t grain_of(int64_t task_macs) {
@@ -45,6 +148,47 @@ void check_cpu(const at::Tensor& t, const char* name) {
 }
 
 // ---- MLA decode attention over a paged latent cache (absorbed form) ----------------------------
+
+// out[h][:] = sum over l of weights[h][l] * row l (rows read through `slots`), for `heads` rows of
+// `weights` (stride `weight_stride`) and rows of `width` values: 4 heads x 64 values are held in 16
+// vector accumulators while the rows stream past (a row's 4 vectors serve 16 multiply-adds), rows in
+// blocks that stay in the L2 cache across the passes.
+template <typename C>
+void weighted_rows(const float* weights, int64_t weight_stride, int64_t heads, const C* store,
+                   int64_t row_stride, const int64_t* slots, int64_t length, int64_t width,
+                   float* out) {
+  constexpr int64_t kRows = 128, kChunk = 64;
+  std::fill(out, out + heads * width, 0.f);
+  const int64_t chunks = width / kChunk;
+  for (int64_t l0 = 0; l0 < length; l0 += kRows) {
+    const int64_t l1 = std::min(length, l0 + kRows);
+    for (int64_t h = 0; h < heads; h += 4) {
+      const float* w[4];
+      for (int64_t i = 0; i < 4; ++i) w[i] = weights + std::min(h + i, heads - 1) * weight_stride;
+      for (int64_t c = 0; c < chunks; ++c) {
+        f32x16 acc[4][4] = {};
+        for (int64_t l = l0; l < l1; ++l) {
+          const C* row = store + slots[l] * row_stride + c * kChunk;
+          const f32x16 r0 = load16(row), r1 = load16(row + 16), r2 = load16(row + 32),
+                       r3 = load16(row + 48);
+          for (int i = 0; i < 4; ++i) {
+            const float p = w[i][l];
+            acc[i][0] += p * r0, acc[i][1] += p * r1, acc[i][2] += p * r2, acc[i][3] += p * r3;
+          }
+        }
+        for (int64_t i = 0; i < 4 && h + i < heads; ++i) {
+          float* o = out + (h + i) * width + c * kChunk;
+          for (int k = 0; k < 4; ++k)
+            for (int e = 0; e < 16; ++e) o[k * 16 + e] += acc[i][k][e];
+        }
+      }
+      for (int64_t e = chunks * kChunk; e < width; ++e)  // a width off the chunks: one by one
+        for (int64_t i = 0; i < 4 && h + i < heads; ++i)
+          for (int64_t l = l0; l < l1; ++l)
+            out[(h + i) * width + e] += w[i][l] * static_cast<float>(store[slots[l] * row_stride + e]);
+    }
+  }
+}
 
 // Tasks are (request, group of heads): a cached row is read into float32 once per task and used
 // by each of the group's heads; one request's heads are split in groups only to keep every
@@ -63,7 +207,6 @@ void mla_decode_kernel(const float* q_nope, const float* q_pe, const float* w_uk
   at::parallel_for(0, requests * groups, grain_of(task_macs), [&](int64_t begin, int64_t end) {
     std::vector<float> query(per_group * width), scores(per_group * context),
         latent(per_group * rank);
-    std::vector<float> row(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / groups, h0 = task % groups * per_group;
       const int64_t hn = std::min(heads, h0 + per_group) - h0, length = lengths[r];
@@ -77,27 +220,31 @@ void mla_decode_kernel(const float* q_nope, const float* q_pe, const float* w_uk
         for (int64_t d = 0; d < nope; ++d) axpy(qn[d], w_uk + (head * nope + d) * rank, q, rank);
         std::copy_n(q_pe + (r * heads + head) * rope, rope, q + rank);
       }
-      std::vector<float> top(hn, -std::numeric_limits<float>::infinity());
-      for (int64_t l = 0; l < length; ++l) {
-        const C* cached = store + context_slots[l] * row_stride;
-        for (int64_t i = 0; i < width; ++i) row[i] = static_cast<float>(cached[i]);
-        for (int64_t h = 0; h < hn; ++h) {
-          const float score = dot(query.data() + h * width, row.data(), width) * scale;
-          scores[h * context + l] = score;
-          top[h] = std::max(top[h], score);
+      // scores of 4 heads x 4 cached rows at a time (dot_4x4), each row read in place
+      float tile[16];
+      for (int64_t l = 0; l < length; l += 4) {
+        const C* rows[4];
+        for (int64_t j = 0; j < 4; ++j)
+          rows[j] = store + context_slots[std::min(l + j, length - 1)] * row_stride;
+        for (int64_t h = 0; h < hn; h += 4) {
+          const float* qs[4];
+          for (int64_t i = 0; i < 4; ++i) qs[i] = query.data() + std::min(h + i, hn - 1) * width;
+          dot_4x4(qs, rows, width, tile);
+          for (int64_t i = 0; i < 4 && h + i < hn; ++i)
+            for (int64_t j = 0; j < 4 && l + j < length; ++j)
+              scores[(h + i) * context + l + j] = tile[i * 4 + j] * scale;
         }
       }
-      std::vector<float> total(hn, 0.f);
-      for (int64_t h = 0; h < hn; ++h)
+      for (int64_t h = 0; h < hn; ++h) {
+        float* head_scores = scores.data() + h * context;
+        const float top = *std::max_element(head_scores, head_scores + length);
+        float total = 0.f;
         for (int64_t l = 0; l < length; ++l)
-          total[h] += (scores[h * context + l] = std::exp(scores[h * context + l] - top[h]));
-      std::fill(latent.begin(), latent.end(), 0.f);
-      for (int64_t l = 0; l < length; ++l) {
-        const C* cached = store + context_slots[l] * row_stride;
-        for (int64_t i = 0; i < rank; ++i) row[i] = static_cast<float>(cached[i]);
-        for (int64_t h = 0; h < hn; ++h)
-          axpy(scores[h * context + l] / total[h], row.data(), latent.data() + h * rank, rank);
+          total += (head_scores[l] = std::exp(head_scores[l] - top));
+        for (int64_t l = 0; l < length; ++l) head_scores[l] /= total;
       }
+      weighted_rows(scores.data(), context, hn, store, row_stride, context_slots, length, rank,
+                    latent.data());
       for (int64_t h = 0; h < hn; ++h) {
         const int64_t head = h0 + h;
         float* o = out + (r * heads + head) * value;
@@ -130,10 +277,8 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   TORCH_CHECK(q_pe.size(0) == requests && q_pe.size(1) == heads && w_uk.size(0) == heads &&
                   w_uk.size(1) == nope && w_uv_t.size(0) == heads && w_uv_t.size(1) == rank,
               "mla_decode: q_nope, q_pe, w_uk and w_uv_t disagree on heads or widths");
-  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
-  if (requests == 0 || heads == 0) return out.to(out_dtype);
-  auto qn = q_nope.to(at::kFloat).contiguous(), qp = q_pe.to(at::kFloat).contiguous();
-  auto wk = w_uk.contiguous(), wv = w_uv_t.contiguous();
+  if (requests == 0 || heads == 0)
+    return at::empty({requests, heads, value}, q_nope.options().dtype(out_dtype));
   auto sl = slots.to(at::kLong).contiguous(), len = lengths.to(at::kLong).contiguous();
   const int64_t context = sl.size(1), cached = store.size(0);
   const int64_t* lp = len.data_ptr<int64_t>();
@@ -145,6 +290,9 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
       TORCH_CHECK(sp[r * context + l] >= 0 && sp[r * context + l] < cached,
                   "mla_decode: a slot outside the store's ", cached, " rows");
   }
+  auto qn = q_nope.to(at::kFloat).contiguous(), qp = q_pe.to(at::kFloat).contiguous();
+  auto wk = w_uk.contiguous(), wv = w_uv_t.contiguous();
+  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, store.scalar_type(), "mla_decode", [&] {
     mla_decode_kernel<scalar_t>(qn.data_ptr<float>(), qp.data_ptr<float>(), wk.data_ptr<float>(),
                                 wv.data_ptr<float>(), store.data_ptr<scalar_t>(), store.stride(0),
@@ -214,7 +362,7 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
   // gate and up projections, then SwiGLU
   const int64_t blocks = (inter + block - 1) / block;
   at::parallel_for(0, runs * blocks, grain_of(2 * block * hidden), [&](int64_t begin, int64_t end) {
-    std::vector<float> x;
+    std::vector<float> x, gates, ups;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / blocks, first = task % blocks * block;
       const int64_t r0 = starts[run], count = starts[run + 1] - r0,
@@ -225,10 +373,16 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
         for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] = static_cast<float>(source[i]);
       }
       const T* w = w13 + slots[r0] * 2 * inter * hidden;
+      const int64_t columns = last - first;
+      gates.resize(count * columns);
+      ups.resize(count * columns);
+      dot_tiles(x.data(), hidden, count, w + first * hidden, hidden, columns, hidden, gates.data());
+      dot_tiles(x.data(), hidden, count, w + (inter + first) * hidden, hidden, columns, hidden,
+                ups.data());
       for (int64_t j = first; j < last; ++j) {
         for (int64_t r = 0; r < count; ++r) {
-          float gate = round_to<T>(dot(x.data() + r * hidden, w + j * hidden, hidden));
-          float up = round_to<T>(dot(x.data() + r * hidden, w + (inter + j) * hidden, hidden));
+          float gate = round_to<T>(gates[r * columns + j - first]);
+          float up = round_to<T>(ups[r * columns + j - first]);
           if (limited) {
             gate = std::min(gate, limit);
             up = std::clamp(up, -limit, limit);
@@ -262,14 +416,19 @@ void expert_rows_kernel(const T* rows, const int64_t* slots, const T* w13, const
     return;
   }
   at::parallel_for(0, runs * out_blocks, grain_of(block * inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> products;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t run = task / out_blocks, first = task % out_blocks * block;
       const int64_t r0 = starts[run], count = starts[run + 1] - r0,
                     last = std::min(hidden, first + block);
       const T* w = w2 + slots[r0] * hidden * inter;
-      for (int64_t k = first; k < last; ++k)
-        for (int64_t r = r0; r < r0 + count; ++r)
-          out[r * hidden + k] = static_cast<T>(dot(act.data() + r * inter, w + k * inter, inter));
+      const int64_t columns = last - first;
+      products.resize(count * columns);
+      dot_tiles(act.data() + r0 * inter, inter, count, w + first * inter, inter, columns, inter,
+                products.data());
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t k = first; k < last; ++k)
+          out[(r0 + r) * hidden + k] = static_cast<T>(products[r * columns + k - first]);
     }
   });
 }
