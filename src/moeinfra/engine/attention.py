@@ -302,24 +302,25 @@ def _small_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Te
     return mla.heads * (projections + scores_and_values) <= FLOAT32_DECODE_MACS
 
 
-# Cache row width (latent + RoPE key) from which a float32 decode step of any size attends through
-# the fused kernel: its 4 x 4 tiles of dot products pay over wide rows — DeepSeek-V3's 576, 16
-# heads, 16 requests over ~640 tokens: 12 vs 35 ms a layer (the torch path gathers the contexts
-# first) — while over the small benchmark checkpoint's 96 the torch path's batched matmuls are
-# faster from ~128 requests (917 vs 845 tok/s). 2 threads, AVX-512.
+# Cache row width (latent + RoPE key) from which a decode step of any size attends through the
+# fused kernel: its 4 x 4 tiles of dot products pay over wide rows — DeepSeek-V3's 576, 16 heads,
+# 16 requests over ~640 tokens in float32: 12 vs 35 ms a layer (the torch path gathers the
+# contexts first); a bfloat16 batch of 16 requests of the latent benchmark checkpoint 300 -> ~400
+# tokens/s — while over the small benchmark checkpoint's 96 the torch path's batched matmuls are
+# faster from ~128 requests (float32: 917 vs 845 tok/s). 2 threads, AVX-512.
 FUSED_DECODE_WIDTH = 256
 
 
 def _fused_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether a decode-only step attends through :func:`fused_decode_attention`: a small step
-    (:func:`_small_decode`) always; a larger one over a float32 cache of rows from
-    :data:`FUSED_DECODE_WIDTH` wide, or a half-precision one on a CPU without oneDNN's half
+    (:func:`_small_decode`) or one over cache rows from :data:`FUSED_DECODE_WIDTH` wide always;
+    a larger one over narrower rows only in half precision on a CPU without oneDNN's half
     precision (where the torch path's half-precision matmuls are torch's slow fallback)."""
     if _small_decode(mla, latent, store, slots):
         return True
-    if store.dtype == torch.float32:
-        return mla.config.kv_lora_rank + mla.config.qk_rope_head_dim >= FUSED_DECODE_WIDTH
-    return not cpu_features.onednn_packs(store.dtype)
+    if mla.config.kv_lora_rank + mla.config.qk_rope_head_dim >= FUSED_DECODE_WIDTH:
+        return True
+    return store.dtype != torch.float32 and not cpu_features.onednn_packs(store.dtype)
 
 
 def fused_decode_attention(

@@ -394,26 +394,28 @@ class ExpertParallelMoE(nn.Module):
 PER_SLOT_GEMM_ROWS = 64
 
 
-# Routed rows up to which a half-precision step's experts run as moeinfra's CPU kernel
-# (``expert_rows``: each run of one slot's rows reads that slot's weights once, in place, no
-# copies) where oneDNN has the dtype: 4 rows of hidden 256 in ~20 us against ~80-90 gathered per
-# row, 32 rows ~100-150 against ~300; from 256 rows oneDNN's bfloat16 GEMMs are 2-3x as fast.
-KERNEL_EXPERT_ROWS = 32
-# Float32 rows (and half-precision ones on a CPU without oneDNN's half precision) run as the
-# kernel up to this many per slot on average: its 4 x 4 tiles beat the padded batch and the
-# per-slot GEMMs there — 512 rows over 64 slots of hidden 1,024, 512-wide experts: 27 vs 38 and 57
-# ms; 2,048 rows: 79 vs 115 and 98 ms; 32 slots of hidden 256 from 4,096 rows on (64 a slot) the
-# per-slot GEMMs win (13 vs 22 ms). 2 threads, AVX-512.
+# Routed rows per local slot (on average) up to which a step's experts run as moeinfra's CPU
+# kernel (``expert_rows``: each run of one slot's rows reads that slot's weights once, in place, no
+# copies, in 4 x 4 tiles). Float32, and half precision on a CPU without oneDNN's: 32 — the tiles
+# beat the padded batch and the per-slot GEMMs there: 512 rows over 64 slots of hidden 1,024,
+# 512-wide experts, 24 vs 35 and 64 ms; 2,048 rows 79 vs 115 and 98 ms; 32 slots of hidden 256 from
+# 4,096 rows on (64 a slot) the per-slot GEMMs win, 13 vs 22 ms. Half precision where oneDNN has
+# it: 8 (at least KERNEL_EXPERT_ROWS rows) — oneDNN's bfloat16 GEMMs catch up sooner: 512 rows over
+# 64 slots 22 vs 25 ms, 512 over 32 slots of hidden 256 1.4 vs 1.3 ms; a bfloat16 batch of 16
+# requests of the wide benchmark checkpoint 96 -> 118 tokens/s. 2 threads, AVX-512.
 KERNEL_ROWS_PER_SLOT = 32
+KERNEL_HALF_ROWS_PER_SLOT = 8
+KERNEL_EXPERT_ROWS = 32
 
 
 def _kernel_rows(rows: torch.Tensor, w13: torch.Tensor) -> bool:
     n = rows.shape[0]
     if not (n > 0 and rows.dtype == w13.dtype and cpu_kernels.usable(rows, w13)):
         return False
+    slots = w13.shape[0]
     if rows.dtype == torch.float32 or not cpu_features.onednn_packs(rows.dtype):
-        return n <= KERNEL_ROWS_PER_SLOT * w13.shape[0]
-    return n <= KERNEL_EXPERT_ROWS
+        return n <= KERNEL_ROWS_PER_SLOT * slots
+    return n <= max(KERNEL_EXPERT_ROWS, KERNEL_HALF_ROWS_PER_SLOT * slots)
 
 
 def _per_slot_gemms(rows: torch.Tensor, slots: int) -> bool:
