@@ -72,8 +72,7 @@ def zeros_on_first_write(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     """A CPU tensor of zeros whose memory the OS commits page by page as it is first written (an
     anonymous private mapping reads as zeros until then; ``torch.zeros`` writes every page): a
     cache sized from memory costs what its requests fill, as a GPU's would not."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -27,7 +27,6 @@ class CpuFeatures:
 
     model: str
     isa: str
-    avx2: bool
     avx512: bool
     avx512_bf16: bool
     amx: bool
@@ -63,7 +62,6 @@ def detect() -> CpuFeatures:
     return CpuFeatures(
         model=_model_name(),
         isa=torch.backends.cpu.get_cpu_capability(),
-        avx2=torch.cpu._is_avx2_supported(),
         avx512=torch.cpu._is_avx512_supported(),
         avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
         amx=torch.cpu._is_amx_tile_supported(),
@@ -76,7 +74,6 @@ def detect() -> CpuFeatures:
 AVX2_ONLY = CpuFeatures(
     model="AVX2-only CPU",
     isa="AVX2",
-    avx2=True,
     avx512=False,
     avx512_bf16=False,
     amx=False,

@@ -313,7 +313,9 @@ def serve(options: ServeOptions, announce=print) -> int:
         tokenizer.set_chat_template(chat_template_text(options.chat_template))
     max_model_len = options.max_model_len or model_config.max_position_embeddings
     if engine.num_kv_blocks is not None:  # else known once the units have sized their caches
-        check_model_len(max_model_len, engine.num_kv_blocks * engine.block_size, options)
+        max_model_len = check_model_len(
+            max_model_len, engine.num_kv_blocks * engine.block_size, options
+        )
     name = options.served_model_name or model_dir.name
     keys = read_secret(options.secret_file) if options.secret_file is not None else None
     exposed = {"--control": options.control}
