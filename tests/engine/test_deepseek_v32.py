@@ -203,16 +203,22 @@ def test_sparse_queries_gather_topk_entries_however_long_the_context(v32_path, m
     gathered, scored = [], []
     decode = attention.decode_attention
     select = indexer.select_tokens
+    fused = attention.fused_decode_attention
 
     def recording_decode(mla, query, store, slots, mask):
         gathered.append(tuple(slots.shape))
         return decode(mla, query, store, slots, mask)
+
+    def recording_fused(mla, latent, store, plan):  # the dense rows through the fused kernel
+        gathered.append((plan.decode_lengths.numel(), int(plan.decode_lengths.max())))
+        return fused(mla, latent, store, plan)
 
     def recording_select(index, keys, rows, context, mask, topk):
         scored.append(context.shape[-1])
         return select(index, keys, rows, context, mask, topk)
 
     monkeypatch.setattr(attention, "decode_attention", recording_decode)
+    monkeypatch.setattr(attention, "fused_decode_attention", recording_fused)
     monkeypatch.setattr(attention, "select_tokens", recording_select)
     arch, config, model = one_rank_model(v32_path)
     cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 128, 4)

@@ -108,7 +108,7 @@ def _mla_case(dtype, requests, context, seed=0, heads=None):
 @pytest.mark.parametrize(
     "requests,context,heads,threads",
     [(1, 1, None, None), (1, 37, None, None), (3, 64, None, None), (9, 20, None, None),
-     (3, 16, 8, 8), (5, 16, 8, 16), (3, 16, 16, 16), (2, 16, 7, 5)],
+     (3, 16, 8, 8), (5, 16, 8, 16), (3, 16, 16, 16), (2, 16, 7, 5), (2, 150, None, None)],
 )  # fmt: skip
 def test_mla_decode_equals_the_absorbed_attention_over_gathered_rows(
     dtype, requests, context, heads, threads
@@ -116,7 +116,8 @@ def test_mla_decode_equals_the_absorbed_attention_over_gathered_rows(
     """Read in place through the slots, each request up to its length, in float32: equal to
     the torch path (gather, masked absorbed attention in float32) up to float rounding; also
     with a request's heads split over more threads than heads (8 heads, 3 requests, 8 threads:
-    4 groups of 2 heads)."""
+    4 groups of 2 heads); over contexts of several of the kernel's 64-row passes (150 rows: the
+    running softmax rescales what it summed when a later pass brings a larger score)."""
     mla, latent, store, slots, lengths = _mla_case(dtype, requests, context, heads=heads)
     before = torch.get_num_threads()
     if threads:

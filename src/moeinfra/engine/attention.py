@@ -2,9 +2,9 @@
 
 A step's tokens arrive as segments (a run of consecutive positions of one sequence). Their latents are
 written to the sequence's cache slots first, then each query attends to every cached position up to its
-own: decode segments (one token each) are batched into one padded gather in the absorbed form (a small
-decode-only step on the CPU: one fused kernel reading the cache's slots,
-:func:`moeinfra.moe.cpu_kernels`' ``mla_decode``); longer
+own: decode segments (one token each) are batched into one padded gather in the absorbed form (on
+the CPU mostly one fused kernel reading the cache's slots, :func:`moeinfra.moe.cpu_kernels`'
+``mla_decode``, also for the decode rows of a step that carries prefill chunks); longer
 segments (prefill chunks) are attended one by one, a long one with per-head keys and values expanded
 from its context (:func:`expanded_attention`, cheaper than the absorbed form past
 :func:`expanded_attention_threshold` queries). Which slots to write and gather depends only on the segments, so it
@@ -239,34 +239,49 @@ def paged_mla_attention(
             return fused_decode_attention(mla, latent, store, plan)
         query = latent_query(mla, latent, decode_dtype(mla, latent, store, plan.decode_slots))
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
-    query = latent_query(mla, latent)
-    out = query.new_empty(plan.num_tokens, mla.wo.out_features)
+    out = latent.q_nope.new_empty(plan.num_tokens, mla.wo.out_features)
     # rows are gathered and placed with index_select / index_copy_: indexing with a tensor
     # (``query[rows]``, ``out[rows] = ...``) runs ~10x as long on the CPU
     if plan.decode_rows.numel():
         rows = plan.decode_rows
-        queries = query.index_select(0, rows)
-        out.index_copy_(
-            0, rows, decode_attention(mla, queries, store, plan.decode_slots, plan.decode_mask)
-        )
+        decoding = _rows_of(latent, rows)
+        if _fused_decode(mla, decoding, store, plan.decode_slots) and cpu_kernels.usable(
+            store, latent.q_nope, latent.q_pe, mla.wkv_b.weight
+        ):
+            part = fused_decode_attention(mla, decoding, store, plan)
+        else:
+            query = latent_query(mla, decoding)
+            part = decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
+        out.index_copy_(0, rows, part)
     for rows, context, mask in plan.short:
-        queries = query.index_select(0, rows)
-        out.index_copy_(0, rows, decode_attention(mla, queries, store, context, mask))
+        query = latent_query(mla, _rows_of(latent, rows))
+        out.index_copy_(0, rows, decode_attention(mla, query, store, context, mask))
     for rows, context, mask in plan.chunks:
-        ctx = gather(store, context).to(query.dtype)
+        ctx = gather(store, context).to(out.dtype)
         if rows.numel() > expanded_attention_threshold(mla):
             part = expanded_attention(mla, latent, rows, ctx, mask[0])
         else:
-            part = latent_attention(mla, query.index_select(0, rows), ctx[None], mask)[0]
+            part = latent_attention(
+                mla, latent_query(mla, _rows_of(latent, rows)), ctx[None], mask
+            )[0]
         out.index_copy_(0, rows, part)
     if plan.sparse:
         keys = cached[:, width:]
         chosen = [(r, select_tokens(index, keys, r, c, m, topk)) for r, c, m in plan.sparse]
         rows = torch.cat([r for r, _ in chosen])
         selected = torch.cat([s for _, s in chosen])
-        queries = query.index_select(0, rows)
-        out.index_copy_(0, rows, decode_attention(mla, queries, store, selected, None))
+        query = latent_query(mla, _rows_of(latent, rows))
+        out.index_copy_(0, rows, decode_attention(mla, query, store, selected, None))
     return out
+
+
+def _rows_of(latent: Latent, rows: torch.Tensor) -> Latent:
+    """The queries of ``rows`` (the cached parts are not needed once written): the latent query
+    of a step's rows is computed only for those that attend in the absorbed form (a prefill
+    chunk past :func:`expanded_attention_threshold` does not)."""
+    return Latent(
+        latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows), None, None
+    )
 
 
 # Multiply-adds up to which a bfloat16 (float16) decode step's attention runs in float32 on the CPU:
@@ -312,8 +327,8 @@ FUSED_DECODE_WIDTH = 256
 
 
 def _fused_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Whether a decode-only step attends through :func:`fused_decode_attention`: a small step
-    (:func:`_small_decode`) or one over cache rows from :data:`FUSED_DECODE_WIDTH` wide always;
+    """Whether a step's decode rows (``latent``'s) attend through :func:`fused_decode_attention`: a
+    few (:func:`_small_decode`) or any number over cache rows from :data:`FUSED_DECODE_WIDTH` wide;
     a larger one over narrower rows only in half precision on a CPU without oneDNN's half
     precision (where the torch path's half-precision matmuls are torch's slow fallback)."""
     if _small_decode(mla, latent, store, slots):
@@ -326,7 +341,7 @@ def _fused_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Te
 def fused_decode_attention(
     mla: MLA, latent: Latent, store: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
-    """:func:`decode_attention` of a decode-only step's queries (one per request, in order) as one
+    """:func:`decode_attention` of a step's decode queries (one per request, in order) as one
     fused CPU kernel -> ``[D, H]``: each request's first ``plan.decode_lengths`` cached rows read
     in place from ``store`` (no gathered copy, no mask), the four products in float32 (as
     :func:`decode_dtype` has a small half-precision step compute), ``wo`` in the model's dtype.

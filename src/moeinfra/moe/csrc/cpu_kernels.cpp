@@ -149,109 +149,167 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 // ---- MLA decode attention over a paged latent cache (absorbed form) ----------------------------
 
-// out[h][:] = sum over l of weights[h][l] * row l (rows read through `slots`), for `heads` rows of
-// `weights` (stride `weight_stride`) and rows of `width` values: 4 heads x 64 values are held in 16
-// vector accumulators while the rows stream past (a row's 4 vectors serve 16 multiply-adds), rows in
-// blocks that stay in the L2 cache across the passes.
+// out[h * out_stride + :width] += sum over l of weights[h * weight_stride + l] * row l (rows read
+// through `slots`, or rows 0, 1, ... without them), for `heads` weight rows and rows of `width`
+// values: 4 heads x 64 values are held in 16 vector accumulators while the rows stream past (a
+// row's 4 vectors serve 16 multiply-adds).
 template <typename C>
 void weighted_rows(const float* weights, int64_t weight_stride, int64_t heads, const C* store,
                    int64_t row_stride, const int64_t* slots, int64_t length, int64_t width,
-                   float* out) {
-  constexpr int64_t kRows = 128, kChunk = 64;
-  std::fill(out, out + heads * width, 0.f);
+                   float* out, int64_t out_stride) {
+  constexpr int64_t kChunk = 64;
   const int64_t chunks = width / kChunk;
-  for (int64_t l0 = 0; l0 < length; l0 += kRows) {
-    const int64_t l1 = std::min(length, l0 + kRows);
-    for (int64_t h = 0; h < heads; h += 4) {
-      const float* w[4];
-      for (int64_t i = 0; i < 4; ++i) w[i] = weights + std::min(h + i, heads - 1) * weight_stride;
-      for (int64_t c = 0; c < chunks; ++c) {
-        f32x16 acc[4][4] = {};
-        for (int64_t l = l0; l < l1; ++l) {
-          const C* row = store + slots[l] * row_stride + c * kChunk;
-          const f32x16 r0 = load16(row), r1 = load16(row + 16), r2 = load16(row + 32),
-                       r3 = load16(row + 48);
-          for (int i = 0; i < 4; ++i) {
-            const float p = w[i][l];
-            acc[i][0] += p * r0, acc[i][1] += p * r1, acc[i][2] += p * r2, acc[i][3] += p * r3;
-          }
-        }
-        for (int64_t i = 0; i < 4 && h + i < heads; ++i) {
-          float* o = out + (h + i) * width + c * kChunk;
-          for (int k = 0; k < 4; ++k)
-            for (int e = 0; e < 16; ++e) o[k * 16 + e] += acc[i][k][e];
+  for (int64_t h = 0; h < heads; h += 4) {
+    const float* w[4];
+    for (int64_t i = 0; i < 4; ++i) w[i] = weights + std::min(h + i, heads - 1) * weight_stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      f32x16 acc[4][4] = {};
+      for (int64_t l = 0; l < length; ++l) {
+        const C* row = store + (slots ? slots[l] : l) * row_stride + c * kChunk;
+        const f32x16 r0 = load16(row), r1 = load16(row + 16), r2 = load16(row + 32),
+                     r3 = load16(row + 48);
+        for (int i = 0; i < 4; ++i) {
+          const float p = w[i][l];
+          acc[i][0] += p * r0, acc[i][1] += p * r1, acc[i][2] += p * r2, acc[i][3] += p * r3;
         }
       }
-      for (int64_t e = chunks * kChunk; e < width; ++e)  // a width off the chunks: one by one
-        for (int64_t i = 0; i < 4 && h + i < heads; ++i)
-          for (int64_t l = l0; l < l1; ++l)
-            out[(h + i) * width + e] += w[i][l] * static_cast<float>(store[slots[l] * row_stride + e]);
+      for (int64_t i = 0; i < 4 && h + i < heads; ++i) {
+        float* o = out + (h + i) * out_stride + c * kChunk;
+        for (int k = 0; k < 4; ++k)
+          for (int e = 0; e < 16; ++e) o[k * 16 + e] += acc[i][k][e];
+      }
     }
+    for (int64_t e = chunks * kChunk; e < width; ++e)  // a width off the chunks: one by one
+      for (int64_t i = 0; i < 4 && h + i < heads; ++i)
+        for (int64_t l = 0; l < length; ++l)
+          out[(h + i) * out_stride + e] +=
+              w[i][l] * static_cast<float>(store[(slots ? slots[l] : l) * row_stride + e]);
   }
 }
 
-// Tasks are (request, group of heads): a cached row is read into float32 once per task and used
-// by each of the group's heads; one request's heads are split in groups only to keep every
-// thread busy.
+// exp of 16 values of at most 0 (softmax's shifted scores): 2^n * e^r with |r| <= ln 2 / 2 and a
+// degree-6 polynomial for e^r, within 2 ulp of std::exp; values below -87 give ~1e-38, not 0.
+inline f32x16 exp16(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  x = x < -87.f ? f32x16{} - 87.f : x;
+  const f32x16 rounder = f32x16{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x16 n = (x * 1.44269504f + rounder) - rounder;
+  const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// values[i] = exp(values[i] - shift) for n values; returns their sum
+inline float exp_shifted(float* values, int64_t n, float shift) {
+  f32x16 total = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 e = exp16(load16(values + i) - shift);
+    std::memcpy(values + i, &e, sizeof e);
+    total += e;
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) sum += (values[i] = std::exp(values[i] - shift));
+  return sum;
+}
+
+// out[r][h] = x[r][h] . w[h] ([R, H, n] by [H, n, m] -> [R, H, m]): per head, the weighted sum of
+// its n rows of m values; tasks are (head, block of 16 requests).
+void per_head_products(const float* x, const float* w, float* out, int64_t requests,
+                       int64_t heads, int64_t n, int64_t m) {
+  constexpr int64_t kRequests = 16;
+  const int64_t blocks = (requests + kRequests - 1) / kRequests;
+  at::parallel_for(0, heads * blocks, grain_of(kRequests * n * m), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, r0 = task % blocks * kRequests;
+      const int64_t count = std::min(kRequests, requests - r0);
+      float* o = out + (r0 * heads + h) * m;
+      for (int64_t r = 0; r < count; ++r) std::fill_n(o + r * heads * m, m, 0.f);
+      weighted_rows(x + (r0 * heads + h) * n, heads * n, count, w + h * n * m, m,
+                    static_cast<const int64_t*>(nullptr), n, m, o, heads * m);
+    }
+  });
+}
+
+// Cached rows a task reads per pass: their scores and their weighted sum share one stay in the L2
+// cache (64 DeepSeek-V3-wide float32 rows are 147 KB), where a whole context's scores first and
+// its weighted sum after read every row from memory twice.
+constexpr int64_t kDecodeRows = 64;
+
+// Attention of each query head over its request's cached rows in the cache's space: latent[r][h]
+// = softmax(scale * query[r][h] . rows) . rows[:, :rank], with query = [q_latent, q_pe]. Tasks are
+// (request, group of heads); a request's heads are split in groups only to keep every thread busy.
+// Rows are taken kDecodeRows at a time with a running softmax (flash decoding): each block's
+// weights are exp(score - the largest score so far), and what was summed before a larger score
+// arrives is scaled down by exp(old largest - new largest).
 template <typename C>
-void mla_decode_kernel(const float* q_nope, const float* q_pe, const float* w_uk,
-                       const float* w_uv_t, const C* store, int64_t row_stride,
-                       const int64_t* slots, const int64_t* lengths, float* out, int64_t requests,
-                       int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t value,
+void mla_decode_kernel(const float* q_latent, const float* q_pe, const C* store,
+                       int64_t row_stride, const int64_t* slots, const int64_t* lengths,
+                       float* latent, int64_t requests, int64_t heads, int64_t rope, int64_t rank,
                        int64_t context, float scale) {
   const int64_t width = rank + rope, threads = at::get_num_threads();
   const int64_t wanted = std::clamp<int64_t>((2 * threads + requests - 1) / requests, 1, heads);
   const int64_t per_group = (heads + wanted - 1) / wanted;
   const int64_t groups = (heads + per_group - 1) / per_group;  // none empty
-  const int64_t task_macs = per_group * (context * (width + rank) + (nope + value) * rank);
+  const int64_t task_macs = per_group * context * (width + rank);
   at::parallel_for(0, requests * groups, grain_of(task_macs), [&](int64_t begin, int64_t end) {
-    std::vector<float> query(per_group * width), scores(per_group * context),
-        latent(per_group * rank);
+    std::vector<float> query(per_group * width), scores(per_group * kDecodeRows),
+        largest(per_group), total(per_group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / groups, h0 = task % groups * per_group;
       const int64_t hn = std::min(heads, h0 + per_group) - h0, length = lengths[r];
       const int64_t* context_slots = slots + r * context;
-      // each head's query in the cache's space: q_nope W_uk beside q_pe
-      std::fill(query.begin(), query.end(), 0.f);
+      float* out = latent + (r * heads + h0) * rank;
       for (int64_t h = 0; h < hn; ++h) {
         const int64_t head = h0 + h;
-        float* q = query.data() + h * width;
-        const float* qn = q_nope + (r * heads + head) * nope;
-        for (int64_t d = 0; d < nope; ++d) axpy(qn[d], w_uk + (head * nope + d) * rank, q, rank);
-        std::copy_n(q_pe + (r * heads + head) * rope, rope, q + rank);
+        std::copy_n(q_latent + (r * heads + head) * rank, rank, query.data() + h * width);
+        std::copy_n(q_pe + (r * heads + head) * rope, rope, query.data() + h * width + rank);
       }
-      // scores of 4 heads x 4 cached rows at a time (dot_4x4), each row read in place
+      std::fill(out, out + hn * rank, 0.f);
+      std::fill(largest.begin(), largest.end(), -std::numeric_limits<float>::infinity());
+      std::fill(total.begin(), total.end(), 0.f);
       float tile[16];
-      for (int64_t l = 0; l < length; l += 4) {
-        const C* rows[4];
-        for (int64_t j = 0; j < 4; ++j)
-          rows[j] = store + context_slots[std::min(l + j, length - 1)] * row_stride;
-        for (int64_t h = 0; h < hn; h += 4) {
-          const float* qs[4];
-          for (int64_t i = 0; i < 4; ++i) qs[i] = query.data() + std::min(h + i, hn - 1) * width;
-          dot_4x4(qs, rows, width, tile);
-          for (int64_t i = 0; i < 4 && h + i < hn; ++i)
-            for (int64_t j = 0; j < 4 && l + j < length; ++j)
-              scores[(h + i) * context + l + j] = tile[i * 4 + j] * scale;
+      for (int64_t l0 = 0; l0 < length; l0 += kDecodeRows) {
+        const int64_t n = std::min(kDecodeRows, length - l0);
+        const int64_t* block = context_slots + l0;
+        // scores of 4 heads x 4 cached rows at a time (dot_4x4), each row read in place
+        for (int64_t l = 0; l < n; l += 4) {
+          const C* rows[4];
+          for (int64_t j = 0; j < 4; ++j)
+            rows[j] = store + block[std::min(l + j, n - 1)] * row_stride;
+          for (int64_t h = 0; h < hn; h += 4) {
+            const float* qs[4];
+            for (int64_t i = 0; i < 4; ++i) qs[i] = query.data() + std::min(h + i, hn - 1) * width;
+            dot_4x4(qs, rows, width, tile);
+            for (int64_t i = 0; i < 4 && h + i < hn; ++i)
+              for (int64_t j = 0; j < 4 && l + j < n; ++j)
+                scores[(h + i) * kDecodeRows + l + j] = tile[i * 4 + j] * scale;
+          }
         }
+        for (int64_t h = 0; h < hn; ++h) {
+          float* head_scores = scores.data() + h * kDecodeRows;
+          const float top = std::max(largest[h], *std::max_element(head_scores, head_scores + n));
+          if (top > largest[h] && total[h] > 0.f) {
+            const float shrink = std::exp(largest[h] - top);
+            total[h] *= shrink;
+            for (int64_t k = 0; k < rank; ++k) out[h * rank + k] *= shrink;
+          }
+          largest[h] = top;
+          total[h] += exp_shifted(head_scores, n, top);
+        }
+        weighted_rows(scores.data(), kDecodeRows, hn, store, row_stride, block, n, rank, out, rank);
       }
-      for (int64_t h = 0; h < hn; ++h) {
-        float* head_scores = scores.data() + h * context;
-        const float top = *std::max_element(head_scores, head_scores + length);
-        float total = 0.f;
-        for (int64_t l = 0; l < length; ++l)
-          total += (head_scores[l] = std::exp(head_scores[l] - top));
-        for (int64_t l = 0; l < length; ++l) head_scores[l] /= total;
-      }
-      weighted_rows(scores.data(), context, hn, store, row_stride, context_slots, length, rank,
-                    latent.data());
-      for (int64_t h = 0; h < hn; ++h) {
-        const int64_t head = h0 + h;
-        float* o = out + (r * heads + head) * value;
-        std::fill(o, o + value, 0.f);
-        for (int64_t k = 0; k < rank; ++k)
-          axpy(latent[h * rank + k], w_uv_t + (head * rank + k) * value, o, value);
-      }
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t k = 0; k < rank; ++k) out[h * rank + k] /= total[h];
     }
   });
 }
@@ -292,14 +350,19 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   }
   auto qn = q_nope.to(at::kFloat).contiguous(), qp = q_pe.to(at::kFloat).contiguous();
   auto wk = w_uk.contiguous(), wv = w_uv_t.contiguous();
-  auto out = at::empty({requests, heads, value}, q_nope.options().dtype(at::kFloat));
+  const auto f32 = q_nope.options().dtype(at::kFloat);
+  auto q_latent = at::empty({requests, heads, rank}, f32), latent = at::empty_like(q_latent);
+  auto out = at::empty({requests, heads, value}, f32);
+  per_head_products(qn.data_ptr<float>(), wk.data_ptr<float>(), q_latent.data_ptr<float>(),
+                    requests, heads, nope, rank);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, store.scalar_type(), "mla_decode", [&] {
-    mla_decode_kernel<scalar_t>(qn.data_ptr<float>(), qp.data_ptr<float>(), wk.data_ptr<float>(),
-                                wv.data_ptr<float>(), store.data_ptr<scalar_t>(), store.stride(0),
-                                sl.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
-                                out.data_ptr<float>(), requests, heads, nope, rope, rank, value,
-                                context, static_cast<float>(scale));
+    mla_decode_kernel<scalar_t>(q_latent.data_ptr<float>(), qp.data_ptr<float>(),
+                                store.data_ptr<scalar_t>(), store.stride(0), sp, lp,
+                                latent.data_ptr<float>(), requests, heads, rope, rank, context,
+                                static_cast<float>(scale));
   });
+  per_head_products(latent.data_ptr<float>(), wv.data_ptr<float>(), out.data_ptr<float>(),
+                    requests, heads, rank, value);
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
