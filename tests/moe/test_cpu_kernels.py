@@ -154,6 +154,53 @@ def _heads_output(mla, query, store, slots, mask):
     return out.view(query.shape[0], mla.heads, -1)
 
 
+def _causal_reference(q, k, v, scale):
+    """Masked softmax attention in float32: query i of n sees keys up to m - n + i."""
+    n, m = q.shape[0], k.shape[0]
+    q, k, v = q.float(), k.float(), v.float()
+    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * scale
+    mask = torch.arange(m)[None, :] <= (torch.arange(n) + m - n)[:, None]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "n,m,heads,dq,dv",
+    [(1, 1, 1, 16, 16), (5, 5, 2, 64, 32), (70, 200, 3, 96, 32), (130, 130, 4, 192, 128),
+     (64, 129, 2, 24, 40)],
+)  # fmt: skip
+def test_prefill_attention_equals_masked_softmax_attention(dtype, n, m, heads, dq, dv):
+    """A chunk of n queries at the end of m keys (a prompt after a cached prefix), causal, over
+    several of the kernel's 64-row blocks of queries and keys, with keys and values as views of
+    one expanded tensor (as MLA's expanded path makes them) and value widths of 64s, 16s and
+    neither."""
+    torch.manual_seed(n + m)
+    kv = torch.randn(m, heads, dq + dv).to(dtype)
+    k, v = kv[..., :dq], kv[..., dq:]
+    q = torch.randn(n, heads, dq).to(dtype)
+    out = torch.ops.moeinfra.prefill_attention(q, k, v, dq**-0.5)
+    assert out.dtype == dtype and out.shape == (n, heads, dv)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(
+        out.float(), _causal_reference(q, k, v, dq**-0.5), rtol=tol, atol=tol
+    )
+
+
+def test_prefill_attention_rejects_what_it_cannot_read():
+    q, k, v = torch.randn(4, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 4)
+    attend = torch.ops.moeinfra.prefill_attention
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        attend(torch.randn(7, 2, 8), k, v, 1.0)
+    with pytest.raises(RuntimeError, match="disagree on heads"):
+        attend(q, k[:, :1], v, 1.0)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        attend(q, k.double(), v, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attend(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), 1.0)
+    assert attend(q[:0], k, v, 1.0).shape == (0, 2, 4)
+
+
 def test_mla_decode_rejects_what_it_cannot_read():
     mla, latent, store, slots, lengths = _mla_case(torch.float32, 2, 8)
     w_uk, w_uv_t = mla.absorbed_weights(torch.float32)

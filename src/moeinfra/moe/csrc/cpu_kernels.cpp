@@ -179,7 +179,29 @@ void weighted_rows(const float* weights, int64_t weight_stride, int64_t heads, c
           for (int e = 0; e < 16; ++e) o[k * 16 + e] += acc[i][k][e];
       }
     }
-    for (int64_t e = chunks * kChunk; e < width; ++e)  // a width off the chunks: one by one
+    int64_t e = chunks * kChunk;
+    for (; e + 32 <= width; e += 32) {  // what is left in pairs of vectors (value heads of 32)
+      f32x16 acc[4][2] = {};
+      for (int64_t l = 0; l < length; ++l) {
+        const C* row = store + (slots ? slots[l] : l) * row_stride + e;
+        const f32x16 r0 = load16(row), r1 = load16(row + 16);
+        for (int i = 0; i < 4; ++i) acc[i][0] += w[i][l] * r0, acc[i][1] += w[i][l] * r1;
+      }
+      for (int64_t i = 0; i < 4 && h + i < heads; ++i)
+        for (int k = 0; k < 16; ++k)
+          out[(h + i) * out_stride + e + k] += acc[i][0][k],
+              out[(h + i) * out_stride + e + 16 + k] += acc[i][1][k];
+    }
+    for (; e + 16 <= width; e += 16) {  // then single vectors
+      f32x16 acc[4] = {};
+      for (int64_t l = 0; l < length; ++l) {
+        const f32x16 r = load16(store + (slots ? slots[l] : l) * row_stride + e);
+        for (int i = 0; i < 4; ++i) acc[i] += w[i][l] * r;
+      }
+      for (int64_t i = 0; i < 4 && h + i < heads; ++i)
+        for (int k = 0; k < 16; ++k) out[(h + i) * out_stride + e + k] += acc[i][k];
+    }
+    for (; e < width; ++e)  // then one by one
       for (int64_t i = 0; i < 4 && h + i < heads; ++i)
         for (int64_t l = 0; l < length; ++l)
           out[(h + i) * out_stride + e] +=
@@ -364,6 +386,118 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   per_head_products(latent.data_ptr<float>(), wv.data_ptr<float>(), out.data_ptr<float>(),
                     requests, heads, rank, value);
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
+}
+
+// ---- causal attention of a prompt chunk over per-head keys and values ---------------------------
+
+// Query i of a chunk of n (the context's last n positions) attends to keys 0 .. m - n + i. Tasks
+// are (head, block of 64 queries); key blocks of 64 stream past with a running softmax (flash
+// attention): no n x m score matrix is written, the blocks above the diagonal are not computed.
+// scores[i * 64 + j] = query row i . key row j for qn <= 64 float query rows of dq values and kn
+// <= 64 key rows (stride key_stride): the keys transposed once into keys_t [dq, 64] (zeros past
+// kn), then 4 queries x 64 keys in 16 vector accumulators, one multiply-add per query value and
+// key vector (no horizontal sums: a dot product of 64 values at a time spends as long summing its
+// vectors' lanes as multiplying).
+template <typename T>
+void query_key_block(const float* query, int64_t qn, const T* key, int64_t key_stride, int64_t kn,
+                     int64_t dq, float* keys_t, float* scores) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t d = 0; d < dq; ++d) std::fill_n(keys_t + d * kBlock + kn, kBlock - kn, 0.f);
+  for (int64_t j = 0; j < kn; ++j)
+    for (int64_t d = 0; d < dq; ++d) keys_t[d * kBlock + j] = static_cast<float>(key[j * key_stride + d]);
+  for (int64_t i = 0; i < qn; i += 4) {
+    const float* q[4];
+    for (int64_t r = 0; r < 4; ++r) q[r] = query + std::min(i + r, qn - 1) * dq;
+    f32x16 acc[4][4] = {};
+    for (int64_t d = 0; d < dq; ++d) {
+      const float* kt = keys_t + d * kBlock;
+      const f32x16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
+      for (int r = 0; r < 4; ++r) {
+        const float x = q[r][d];
+        acc[r][0] += x * k0, acc[r][1] += x * k1, acc[r][2] += x * k2, acc[r][3] += x * k3;
+      }
+    }
+    for (int64_t r = 0; r < 4 && i + r < qn; ++r)
+      std::memcpy(scores + (i + r) * kBlock, acc[r], sizeof acc[r]);
+  }
+}
+
+template <typename T>
+void prefill_attention_kernel(const T* q, const int64_t* q_strides, const T* k,
+                              const int64_t* k_strides, const T* v, const int64_t* v_strides,
+                              T* out, int64_t n, int64_t m, int64_t heads, int64_t dq, int64_t dv,
+                              float scale) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (n + kBlock - 1) / kBlock, offset = m - n;
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(kBlock * dq), keys_t(dq * kBlock), scores(kBlock * kBlock),
+        acc(kBlock * dv), largest(kBlock), total(kBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, q0 = task % blocks * kBlock;
+      const int64_t qn = std::min(kBlock, n - q0);
+      for (int64_t i = 0; i < qn; ++i)
+        for (int64_t d = 0; d < dq; ++d)
+          query[i * dq + d] = static_cast<float>(q[(q0 + i) * q_strides[0] + h * q_strides[1] + d]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(largest.begin(), largest.end(), -std::numeric_limits<float>::infinity());
+      std::fill(total.begin(), total.end(), 0.f);
+      const int64_t keys = offset + q0 + qn;  // the last query's keys
+      for (int64_t k0 = 0; k0 < keys; k0 += kBlock) {
+        const int64_t kn = std::min(kBlock, keys - k0);
+        query_key_block(query.data(), qn, k + k0 * k_strides[0] + h * k_strides[1], k_strides[0],
+                        kn, dq, keys_t.data(), scores.data());
+        for (int64_t i = 0; i < qn; ++i) {
+          float* row = scores.data() + i * kBlock;
+          const int64_t seen = std::min(kn, offset + q0 + i + 1 - k0);  // keys this query sees
+          if (seen <= 0) {
+            std::fill(row, row + kn, 0.f);
+            continue;
+          }
+          for (int64_t j = 0; j < seen; ++j) row[j] *= scale;
+          std::fill(row + seen, row + kn, 0.f);
+          const float top = std::max(largest[i], *std::max_element(row, row + seen));
+          if (top > largest[i] && total[i] > 0.f) {
+            const float shrink = std::exp(largest[i] - top);
+            total[i] *= shrink;
+            for (int64_t d = 0; d < dv; ++d) acc[i * dv + d] *= shrink;
+          }
+          largest[i] = top;
+          total[i] += exp_shifted(row, seen, top);
+        }
+        weighted_rows(scores.data(), kBlock, qn, v + k0 * v_strides[0] + h * v_strides[1],
+                      v_strides[0], static_cast<const int64_t*>(nullptr), kn, dv, acc.data(), dv);
+      }
+      for (int64_t i = 0; i < qn; ++i) {
+        T* o = out + ((q0 + i) * heads + h) * dv;
+        for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<T>(acc[i * dv + d] / total[i]);
+      }
+    }
+  });
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             double scale) {
+  for (auto* t : {&q, &k, &v}) check_cpu(*t, "prefill_attention's tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "prefill_attention: q [n, heads, d], k [m, heads, d], v [m, heads, dv], each row's "
+              "values contiguous");
+  const int64_t n = q.size(0), heads = q.size(1), dq = q.size(2), m = k.size(0), dv = v.size(2);
+  TORCH_CHECK(k.size(1) == heads && v.size(1) == heads && k.size(2) == dq && v.size(0) == m &&
+                  n <= m && m > 0,
+              "prefill_attention: q, k and v disagree on heads or widths, or more queries than keys");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "prefill_attention: q, k and v of one dtype");
+  auto out = at::empty({n, heads, dv}, q.options());
+  if (n == 0) return out;
+  const int64_t qs[2] = {q.stride(0), q.stride(1)}, ks[2] = {k.stride(0), k.stride(1)},
+                vs[2] = {v.stride(0), v.stride(1)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    prefill_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), qs, k.data_ptr<scalar_t>(), ks,
+                                       v.data_ptr<scalar_t>(), vs, out.data_ptr<scalar_t>(), n, m,
+                                       heads, dq, dv, static_cast<float>(scale));
+  });
+  return out;
 }
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
@@ -657,6 +791,7 @@ TORCH_LIBRARY(moeinfra, m) {
   m.def(
       "mla_decode(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor w_uv_t, Tensor store, "
       "Tensor slots, Tensor lengths, float scale, ScalarType out_dtype) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "expert_rows(Tensor rows, Tensor slots, Tensor w13, Tensor w2, float? limit, "
@@ -669,6 +804,7 @@ TORCH_LIBRARY(moeinfra, m) {
 
 TORCH_LIBRARY_IMPL(moeinfra, CPU, m) {
   m.impl("mla_decode", &mla_decode);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("expert_rows", &expert_rows);
   m.impl("rope", &rope);
