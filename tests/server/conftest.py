@@ -83,7 +83,7 @@ def fake_router(units: dict[str, tuple[str, float]]) -> Router:
     router = Router("tcp://127.0.0.1:0", "digest")
     for unit_id, (role, work) in units.items():
         unit = router.expect_unit(unit_id, role, 1)
-        rank = RankState(unit, 0, unit_id.encode(), None, 4)
+        rank = RankState(unit, 0, f"{unit_id}/0".encode(), None, 4)
         if role == "decode":
             rank.occupancy_s = work * 4  # running requests x seconds over 4 slots
         else:

@@ -115,3 +115,57 @@ def test_a_drafting_unit_leaves_out_the_last_block_of_a_hit(tmp_path):
     assert cache.lookup(longer, skip_tokens=4) is None  # memory holds block 0: disk adds nothing
     assert cache.lookup(ids[:5]) is None  # one block matches: it is the last
     assert cache.stats.hit_tokens == 4
+
+
+def _write_prompts(root: str, capacity: int, first: int, count: int, started) -> None:
+    """One writer process: opens the cache, waits for the others to have opened theirs, then
+    writes ``count`` prompts of 3 blocks each, token ids from ``first``."""
+    cache = _cache(root, capacity=capacity)
+    started.wait(60)
+    for k in range(count):
+        start = first + 1000 * k
+        cache.store(list(range(start, start + 13)), _kv(13))
+
+
+def test_writers_in_several_processes_keep_one_byte_cap(tmp_path):
+    """Four processes that opened one directory together (prefill units on several hosts) write
+    9 blocks each against a cap of 20: together they pass it, so someone evicts, and the shared
+    ledger matches what is on disk (each counting only its own writes, none would evict)."""
+    import multiprocessing as mp
+
+    from moeinfra.server.disk_cache import LEDGER
+
+    cap = _cache(tmp_path).file_bytes * 20
+    ctx = mp.get_context("spawn")
+    started = ctx.Barrier(4)
+    writers = [
+        ctx.Process(target=_write_prompts, args=(str(tmp_path), cap, 10**6 * w, 3, started))
+        for w in range(4)
+    ]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(120)
+        assert p.exitcode == 0
+    cache = _cache(tmp_path, capacity=cap)
+    assert 0 < cache.size_bytes <= cap
+    assert int((cache.dir / LEDGER).read_text()) == cache.size_bytes
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_two_checkpoints_with_the_same_config_do_not_share_a_namespace(tmp_path):
+    """The namespace digests the weights too: a fine-tune keeps its base's config.json."""
+    from safetensors.torch import save_file
+
+    from moeinfra.server.disk_cache import model_fingerprint
+
+    fingerprints = []
+    for name in ("base", "tuned", "copy"):
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text('{"model_type": "deepseek_v3"}')
+        weight = torch.ones(300, 300) * (2.0 if name == "tuned" else 1.0)
+        save_file({"w": weight}, model / "model.safetensors")
+        fingerprints.append(model_fingerprint(model, torch.float32, BS, (LAYERS, VALUES)))
+    base, tuned, copy = fingerprints
+    assert base != tuned and base == copy  # the same weights elsewhere share their KV

@@ -478,10 +478,14 @@ def create_app(
             )
         return room if max_tokens is None else max_tokens
 
-    def _start(call: _Call, body, max_tokens: int | None) -> None:
+    async def _start(call: _Call, body, max_tokens: int | None) -> None:
         """Submit every choice of every prompt; on any refusal abort those already placed."""
         events: asyncio.Queue = asyncio.Queue()
         chat = isinstance(body, ChatRequest)
+        on_disk = [0] * len(call.prompts)
+        if cache_probe is not None and call.prompt_logprobs is None:
+            # file probes on a shared file system can take milliseconds: not on the event loop
+            on_disk = await asyncio.to_thread(lambda: [cache_probe(ids) for ids in call.prompts])
         try:
             for p, ids in enumerate(call.prompts):
                 tokens = _room(len(ids), max_tokens, chat)
@@ -494,9 +498,7 @@ def create_app(
                         f"{prefix}-{next(numbers)}",
                         ids,
                         params,
-                        cache_probe(ids)
-                        if cache_probe is not None and params.prompt_logprobs is None
-                        else 0,
+                        on_disk[p],
                         events=events,
                     )
                     router.submit(tracked)
@@ -714,7 +716,7 @@ def create_app(
             raise APIError(
                 400, f"max_tokens={max_tokens} must be >= 1 (0 only with echo)", "max_tokens"
             )
-        _start(call, body, max_tokens)
+        await _start(call, body, max_tokens)
         head = _head(body, "cmpl", "text_completion")
         wants_logprobs = call.logprobs is not None
 
@@ -829,7 +831,7 @@ def create_app(
             # a reasoning model thinks freely first; its answer follows the grammar (as vLLM)
             call.grammar_after = THINK_END if parser.thinks() else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        _start(call, body, max_tokens)
+        await _start(call, body, max_tokens)
         head = _head(body, "chatcmpl", "chat.completion")
         streamed = head | {"object": "chat.completion.chunk"}
         wants_logprobs = call.logprobs is not None

@@ -2,16 +2,21 @@
 
 A block is the KV of ``block_size`` prompt tokens, named by the chained BLAKE2b digest of the
 prompt up to and including it (:func:`~moeinfra.engine.kv_blocks.block_hashes`), so equal names
-mean equal prefixes. Blocks sit under a namespace per model fingerprint (config, dtype, block size,
-layout), so two checkpoints never share one. Every prefill unit on the host (or on a shared file
-system) reads and writes the same directory; it survives restarts.
+mean equal prefixes. Blocks sit under a namespace per model fingerprint (config, weights, dtype,
+block size, layout), so two checkpoints never share one. Every prefill unit on the host (or on a
+shared file system: NFS, 3FS) reads and writes the same directory; it survives restarts.
 
-A file is ``MAGIC | crc32 | payload``, written to a temporary name and renamed into place, so a
-reader sees a whole block or none; a block whose size or checksum is wrong (a torn copy, a disk
-error) is deleted and counted as a miss. A read or write stamps the prompt's blocks' mtimes, the
-first block newest (a prefix's head is shared by more prompts than its tail, and a tail is
-useless without its head); when the directory passes its byte cap, the least recently used
-blocks go first.
+A file is ``MAGIC | crc32 | payload``, written to a temporary name unique across hosts and
+renamed into place, so a reader sees a whole block or none; a block whose size or checksum is
+wrong (a torn copy, a disk error) is deleted and counted as a miss. A read or write stamps the
+prompt's blocks' mtimes, the first block newest (a prefix's head is shared by more prompts than
+its tail, and a tail is useless without its head).
+
+One byte cap holds for every writer: the namespace's bytes are counted in a ledger file
+(``.bytes``) that each writer updates under an exclusive ``flock`` (NFSv4 and local file systems
+lock it across hosts). The writer whose blocks pass the cap evicts, still holding the lock, the
+least recently used blocks down to 90% of it and writes the recount: one directory listing per
+tenth of the cap written, whoever wrote it, not one per writer.
 
 A unit that drafts with the MTP layer caches one more layer (a namespace of its own), whose entry
 at a block's last position depends on the token after the block. So, as the engine's in-memory
@@ -23,11 +28,15 @@ a prompt token follows (not a last block whose next token was generated).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import secrets
+import socket
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +51,32 @@ MAGIC = b"MOEKV001"
 _HEADER = struct.Struct("<8sI")
 
 
-def model_fingerprint(config_json: bytes, dtype: torch.dtype, block_size: int, shape) -> str:
-    """Hex digest naming the cache namespace of a model, cache dtype, block size and layout."""
-    h = hashlib.blake2b(config_json, digest_size=12)
-    h.update(f"{dtype}|{block_size}|{tuple(shape)}".encode())
+#: Bytes sampled from each weight file for :func:`weights_digest`: 16 evenly spaced windows.
+WEIGHT_SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+LEDGER = ".bytes"
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """Digest of a checkpoint's weights: each ``*.safetensors`` file's name, size and 16
+    windows of 64 KiB spread over it (its header among them). Reading a few MiB instead of
+    hundreds of GB still tells a fine-tune from its base (training changes every tensor), so
+    two checkpoints with the same ``config.json`` do not share KV."""
+    h = hashlib.blake2b(digest_size=12)
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}|{size}|".encode())
+        with open(path, "rb") as f:
+            for k in range(WEIGHT_SAMPLES):
+                f.seek(max(0, size - SAMPLE_BYTES) * k // (WEIGHT_SAMPLES - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: str | Path, dtype: torch.dtype, block_size: int, shape) -> str:
+    """Hex digest naming the cache namespace of a checkpoint (its ``config.json`` and
+    :func:`weights_digest`), cache dtype, block size and layout ``shape``."""
+    h = hashlib.blake2b((Path(model_dir) / "config.json").read_bytes(), digest_size=12)
+    h.update(f"{weights_digest(model_dir)}|{dtype}|{block_size}|{tuple(shape)}".encode())
     return h.hexdigest()
 
 
@@ -91,7 +122,6 @@ class DiskKVCache:
         self.file_bytes = _HEADER.size + self.payload_bytes
         self.stats = DiskStats()
         self._remove_stale_temporaries()
-        self._approx_bytes = self._scan_bytes()
 
     def _remove_stale_temporaries(self, age_s: float = 60.0) -> None:
         """Delete temporary files a crashed writer left (older than ``age_s``; a live writer's
@@ -177,18 +207,36 @@ class DiskKVCache:
             block = kv[:, i * self.block_size : (i + 1) * self.block_size].contiguous()
             payload = block.view(torch.uint8).numpy().tobytes()
             path.parent.mkdir(exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            # (host and a random part: writers on several hosts share the directory)
+            tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{secrets.token_hex(4)}.tmp")
             with open(tmp, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, zlib.crc32(payload)))
                 f.write(payload)
             os.replace(tmp, path)
             written += 1
-            self._approx_bytes += self.file_bytes
         self._stamp(digests)
         self.stats.written_blocks += written
-        if self._approx_bytes > self.capacity_bytes:
-            self.evict()
+        if written:
+            with self._ledger() as total:
+                total[0] += written * self.file_bytes
+                if total[0] > self.capacity_bytes:
+                    total[0] = self._evict()
         return written
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Iterator[list[int]]:
+        """The namespace's byte count (every writer's), as a one-item list to update, held
+        under an exclusive lock until the block ends (a missing or damaged ledger: recounted)."""
+        with open(self.dir / LEDGER, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            text = f.read().strip()
+            total = [int(text) if text.isdigit() else self._scan_bytes()]
+            yield total
+            f.seek(0)
+            f.truncate()
+            f.write(str(total[0]))
+            f.flush()
 
     def _stamp(self, digests: list[bytes]) -> None:
         # An explicit nanosecond clock: the kernel's mtime is coarse (a few ms), and ties would
@@ -201,6 +249,13 @@ class DiskKVCache:
     def evict(self) -> int:
         """Delete least recently used blocks until the directory is under 90% of its cap (the
         whole directory: other processes' blocks count too); returns blocks deleted."""
+        before = self.stats.evicted_blocks
+        with self._ledger() as total:
+            total[0] = self._evict()
+        return self.stats.evicted_blocks - before
+
+    def _evict(self) -> int:
+        """:meth:`evict` with the ledger held; returns the bytes left."""
         files = []
         for p in self.dir.glob("*/*.kv"):
             try:
@@ -217,9 +272,8 @@ class DiskKVCache:
             p.unlink(missing_ok=True)
             total -= size
             deleted += 1
-        self._approx_bytes = total
         self.stats.evicted_blocks += deleted
-        return deleted
+        return total
 
     @property
     def size_bytes(self) -> int:

@@ -4,6 +4,10 @@ Every unit is its own process group of engine ranks started with the same comman
 another host (``moeinfra serve unit --server tcp://HOST:PORT ...``), so a server with no local
 units (``--prefill-units 0 --decode-units 0``) serves whatever units join it.
 
+A local unit that exits on its own (a crash, kill -9, the OOM killer) is started again under its
+id, at once the first time and then after 1, 2, 4 ... up to 60 s while it keeps failing
+(:data:`RESTART_BACKOFF_S`); units on other hosts are their own hosts' to restart (they rejoin).
+
 SIGINT / SIGTERM drain: uvicorn stops accepting connections and lets the requests in progress finish
 (up to ``drain_timeout_s``); then what is left ends with an error, every unit is told to stop and
 waited for (killed after ``wait_s``), and the sockets close. Local units also exit if the server
@@ -14,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -25,6 +31,8 @@ from pathlib import Path
 from moeinfra.engine.config import EngineConfig
 from moeinfra.errors import InputError
 from moeinfra.server.autoscale import AutoscalePolicy, Autoscaler
+
+log = logging.getLogger(__name__)
 
 #: ``serve up``'s layout when a user gives no ``--*-units`` / ``--*-ranks`` option: DeepSeek's
 #: disaggregation (one prefill and one decode unit of 2 ranks) where the machine has a core (CPU)
@@ -47,6 +55,22 @@ ONE_COLOCATED_RANK = {
     "colocated_units": 1,
     "colocated_ranks": 1,
 }
+
+
+#: A local unit's restarts: the first at once, then after 1, 2, 4 ... seconds (doubling with each
+#: restart in the last ``RESTART_WINDOW_S``) up to the last value.
+RESTART_BACKOFF_S = (1.0, 60.0)
+RESTART_WINDOW_S = 300.0
+
+
+def restart_delay_s(recent_restarts: int) -> float:
+    """Seconds to wait before restarting a unit that restarted ``recent_restarts`` times within
+    :data:`RESTART_WINDOW_S` (a crash loop backs off; a unit that ran for a while restarts at
+    once)."""
+    if recent_restarts == 0:
+        return 0.0
+    first, most = RESTART_BACKOFF_S
+    return min(most, first * 2 ** (recent_restarts - 1))
 
 
 def default_layout(device: str = "auto") -> dict[str, int]:
@@ -344,15 +368,40 @@ def serve(options: ServeOptions, announce=print) -> int:
         "colocated": options.colocated_ranks,
     }
 
-    def spawn(role: str) -> None:
+    def spawn(role: str, unit_id: str | None = None) -> None:
         """Start one local unit of ``role`` (it joins the router when its ranks are up)."""
-        unit_id = f"{role}-{uuid.uuid4().hex[:6]}"
+        unit_id = unit_id or f"{role}-{uuid.uuid4().hex[:6]}"
         local = replace(options, engine=unit_engine(options, ranks_of[role]))
         cmd = unit_command(
             role, ranks_of[role], router.control_address, local, model_dir, unit_id, os.getpid()
         )
         proc = subprocess.Popen(cmd, start_new_session=True)
         router.expect_unit(unit_id, role, ranks_of[role], proc)
+
+    async def supervise() -> None:
+        """Start again every local unit that exited on its own (see RESTART_BACKOFF_S)."""
+        restarts: dict[str, list[float]] = {}
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for unit in list(router.units.values()):
+                proc = unit.process
+                if proc is None or unit.alive or unit.draining or unit.stopped:
+                    continue
+                if not router.accepting or proc.poll() is None:
+                    continue
+                recent = [t for t in restarts.get(unit.unit_id, []) if now - t < RESTART_WINDOW_S]
+                if recent and now - recent[-1] < restart_delay_s(len(recent)):
+                    continue
+                restarts[unit.unit_id] = [*recent, now]
+                log.warning(
+                    "unit %s (%s) exited with code %s; starting it again (restart %d in the last "
+                    "%.0f s)", unit.unit_id, unit.role, proc.returncode, len(recent) + 1,
+                    RESTART_WINDOW_S,
+                )  # fmt: skip
+                router.notes.append(f"unit {unit.unit_id} ({unit.role}) started again by serve up")
+                metrics.unit_restarts.labels(unit.role).inc()
+                spawn(unit.role, unit.unit_id)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: FastAPI):
@@ -373,6 +422,7 @@ def serve(options: ServeOptions, announce=print) -> int:
         except BaseException:
             await router.shutdown()
             raise
+        supervisor = asyncio.create_task(supervise())
         if options.autoscale is not None:
             autoscaler = Autoscaler(router, spawn, options.autoscale)
             app_.state.autoscaler = autoscaler
@@ -384,6 +434,7 @@ def serve(options: ServeOptions, announce=print) -> int:
             f"{units or 'none yet'}; control {router.control_address})"
         )
         yield
+        supervisor.cancel()
         if scaler is not None:
             scaler.cancel()
         await router.shutdown()
@@ -450,9 +501,7 @@ def _disk_probe(options: ServeOptions, model_dir: Path, model_config, engine: En
     if drafting:  # a drafting unit caches (and stores) the MTP layer's KV too
         layout = with_mtp_layer(layout)
     shape = (layout.num_layers, layout.values_per_token)
-    fingerprint = model_fingerprint(
-        (model_dir / "config.json").read_bytes(), layout.dtype, engine.block_size, shape
-    )
+    fingerprint = model_fingerprint(model_dir, layout.dtype, engine.block_size, shape)
     cache = DiskKVCache(
         options.kv_cache_dir,
         fingerprint,

@@ -45,12 +45,22 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str = ""
 
 
-ToRank = Add | Abort | Welcome | Shutdown
+class Rejoin(msgspec.Struct, tag="rejoin"):
+    """The API server does not know the rank (it restarted, or it gave the rank's unit up after
+    a silence): end every request the rank holds (they belonged to what the server forgot) and
+    say hello again."""
+
+
+ToRank = Add | Abort | Welcome | Shutdown | Rejoin
 
 
 # ---------------------------------------------------------------- unit rank -> API server
 class Hello(msgspec.Struct, tag="hello"):
-    """A rank joins: who it is, where it takes KV (decode ranks), and its engine's shape."""
+    """A rank joins: who it is, where it takes KV (decode ranks), and its engine's shape.
+
+    ``incarnation`` names one start of the unit: its ranks agree on it when they start, and a
+    restart (of the process, or of every rank by the elastic agent) draws a new one, so the
+    API server tells a unit that started again from a rank of the old start."""
 
     unit: str
     rank: int
@@ -68,6 +78,7 @@ class Hello(msgspec.Struct, tag="hello"):
     num_speculative_tokens: int = 0
     dtype: str = ""
     device: str = ""
+    incarnation: str = ""
 
 
 class Outputs(msgspec.Struct, tag="out"):

@@ -124,6 +124,13 @@ class ServerMetrics:
         )
         self.in_flight = Gauge("moeinfra:requests_in_flight", "Requests in flight", registry=r)
         self.units_alive = Gauge("moeinfra:units_alive", "Live units", ["role"], registry=r)
+        self.unit_restarts = Counter(
+            "moeinfra:unit_restarts",
+            "Units that started again under their id (restarted by serve up, by hand or by the "
+            "elastic agent) or rejoined after a silence or an API-server restart",
+            ["role"],
+            registry=r,
+        )
         labels = ["unit", "role"]
         self.waiting = Gauge(
             "moeinfra:unit_waiting_requests", "Requests queued", labels, registry=r

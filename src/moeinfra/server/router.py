@@ -11,6 +11,13 @@ Failures: a unit whose process exits (or whose ranks stop reporting for ``unit_t
 dropped. Its requests are retried once on other units when the client has seen none of their
 tokens yet (non-streaming requests, streams before their first token), and end with an error
 otherwise.
+
+Rejoining: a rank the router does not know (the API server restarted) or whose unit it gave up
+after a silence is told to :class:`~moeinfra.server.messages.Rejoin`: it ends what it holds and
+says hello again. A hello of a new start of a known unit id (its ``incarnation`` differs: the
+unit restarted, or another unit was given the same ``--unit-id``) replaces the old start, whose
+requests fail over as if it had exited and whose ranks, if alive, are told to stop: the newest
+start wins.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from moeinfra.server.messages import (
     Failed,
     Hello,
     Outputs,
+    Rejoin,
     Shutdown,
     State,
     Welcome,
@@ -45,6 +53,9 @@ log = logging.getLogger(__name__)
 
 #: Engine steps kept per rank for ``GET /calibration/steps``.
 STEP_LOG = 8192
+#: Seconds between two answers (Rejoin, Shutdown) to the messages of a rank the router does not
+#: take: a rank reports 4 times a second.
+NUDGE_EVERY_S = 1.0
 
 
 class Overloaded(Exception):
@@ -94,6 +105,9 @@ class UnitState:
     draining: bool = False
     alive: bool = True
     host: str = ""
+    incarnation: str = ""  # the start its ranks said hello from (Hello.incarnation)
+    lost: str = ""  # why the router dropped it ("stopped reporting": its ranks may come back)
+    stopped: bool = False  # told to stop: its ranks' last messages are not answered
 
     @property
     def ready(self) -> bool:
@@ -224,6 +238,8 @@ class Router:
         self.accepting = True
         self.notes: deque[str] = deque(maxlen=100)
         self.dropped_frames = 0  # frames on the control socket that were not a message
+        self.retired: set[tuple[str, str]] = set()  # (unit, incarnation) a newer start replaced
+        self._nudged: dict[bytes, float] = {}  # identity -> when it was last told to rejoin/stop
         self.refused_peers = 0  # peers that failed the CURVE handshake
         self._tasks: list[asyncio.Task] = []
         self.socket = None
@@ -257,7 +273,11 @@ class Router:
             self._tasks.append(asyncio.create_task(self._watch_handshakes()))
 
     def expect_unit(self, unit_id: str, role: str, ranks: int, process=None) -> UnitState:
-        """Register a unit before its ranks say hello (local units: with their process)."""
+        """Register a unit before its ranks say hello (local units: with their process). A unit
+        of the same id that is still alive is replaced as :meth:`_hello` replaces an old start."""
+        old = self.units.get(unit_id)
+        if old is not None and old.alive:
+            self._retire(old, "was started again")
         unit = UnitState(unit_id, role, ranks, process=process)
         self.units[unit_id] = unit
         return unit
@@ -305,9 +325,10 @@ class Router:
             self._ctx.term()
             self.socket = None
 
-    def _stop_unit(self, unit: UnitState) -> None:
+    def _stop_unit(self, unit: UnitState, reason: str = "") -> None:
+        unit.stopped = True
         for rank in unit.ranks:
-            self._send(rank, Shutdown())
+            self._send(rank, Shutdown(reason))
 
     # ------------------------------------------------------------------ placement
     def live_units(self, roles: tuple[str, ...]) -> list[UnitState]:
@@ -423,11 +444,34 @@ class Router:
             self.socket.send_multipart([rank.identity, encode(message)], flags=zmq.NOBLOCK)
 
     def _rank_of(self, identity: bytes) -> RankState | None:
-        unit_id, _, rank = identity.decode(errors="replace").rpartition("/")
-        unit = self.units.get(unit_id)
-        if unit is None or not rank.isdigit():
-            return None
-        return next((r for r in unit.ranks if r.rank == int(rank)), None)
+        """The rank whose socket identity (``unit/rank/incarnation``) this is."""
+        name = identity.decode(errors="replace")
+        for unit_id in (name.rsplit("/", 2)[0], name.rsplit("/", 1)[0]):
+            unit = self.units.get(unit_id)
+            if unit is not None:
+                return next((r for r in unit.ranks if r.identity == identity), None)
+        return None
+
+    def _nudge(self, identity: bytes) -> None:
+        """Answer a message from a rank the router does not take: a rank of a start that a newer
+        one replaced is told to stop; one it does not know (this server is new) or whose unit
+        went silent and was given up is told to rejoin. Once a second at most per rank."""
+        now = time.monotonic()
+        if not self.accepting or now - self._nudged.get(identity, -NUDGE_EVERY_S) < NUDGE_EVERY_S:
+            return
+        self._nudged[identity] = now
+        if len(self._nudged) > 4096:  # identities of ranks long gone
+            self._nudged = {k: t for k, t in self._nudged.items() if now - t < 60.0}
+        unit_id, _, incarnation = identity.decode(errors="replace").rpartition("/")
+        unit_id = unit_id.rpartition("/")[0]
+        if (unit_id, incarnation) in self.retired:
+            message = Shutdown(f"unit {unit_id} was started again elsewhere; this start stops")
+        else:
+            message = Rejoin()
+        import zmq
+
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -490,7 +534,13 @@ class Router:
             self._hello(identity, message)
             return
         rank = self._rank_of(identity)
-        if rank is None:
+        if rank is None or not rank.unit.alive:
+            unit = None if rank is None else rank.unit
+            forgotten = unit is None or (unit.lost == "stopped reporting" and not unit.stopped)
+            if forgotten and not isinstance(message, Bye) and self.socket is not None:
+                self._nudge(identity)
+            if unit is not None and isinstance(message, Bye):
+                unit.alive = False
             return
         rank.unit.last_seen = time.monotonic()
         if isinstance(message, Outputs):
@@ -519,29 +569,29 @@ class Router:
             rank.unit.alive = False
 
     def _hello(self, identity: bytes, info: Hello) -> None:
-        unit = self.units.get(info.unit)
-        if unit is None:  # a unit started elsewhere joins
-            unit = self.expect_unit(info.unit, info.role, info.ranks)
-        drafting = info.num_speculative_tokens > 0
-        refused = None
-        if info.model != self.model_digest:
-            refused = "serves another model"
-        elif self.drafting is None:
-            self.drafting = drafting
-        elif drafting != self.drafting:
-            # its KV would lack (or carry) the MTP layer's rows the other units hand off
-            refused = (
-                "drafts with the MTP layer, the server's units do not (--speculative-tokens)"
-                if drafting
-                else "does not draft with the MTP layer, the server's units do "
-                "(--speculative-tokens)"
+        known = self.units.get(info.unit)
+        if (info.unit, info.incarnation) in self.retired:
+            self._send(
+                RankState(known, info.rank, identity, None, 0),
+                Shutdown(f"unit {info.unit} was started again elsewhere; this start stops"),
             )
+            return
+        refused = self._refusal(info)
         if refused is not None:
             self.notes.append(f"unit {info.unit} {refused}; told to stop")
-            rank = RankState(unit, info.rank, identity, None, 0)
+            if known is None or not known.alive:
+                known = self.expect_unit(info.unit, info.role, info.ranks)
+                known.alive = False
+            rank = RankState(known, info.rank, identity, None, 0)
             self._send(rank, Shutdown(f"the API server refused unit {info.unit}: it {refused}"))
-            unit.alive = False
             return
+        if known is None:  # a unit started elsewhere joins
+            unit = self.expect_unit(info.unit, info.role, info.ranks)
+        elif not known.alive or (known.incarnation and known.incarnation != info.incarnation):
+            unit = self._new_start(known, info)
+        else:
+            unit = known
+        unit.incarnation = unit.incarnation or info.incarnation
         unit.ranks = [r for r in unit.ranks if r.rank != info.rank]
         rank = RankState(
             unit, info.rank, identity, info.kv_address, info.max_num_seqs, info.pid, info=info
@@ -551,9 +601,56 @@ class Router:
         # a unit's ranks may span hosts (serve unit --node-rank): name each host once
         unit.host = ",".join(dict.fromkeys(r.info.host for r in unit.ranks if r.info))
         unit.last_seen = time.monotonic()
+        self._nudged.pop(identity, None)
         self._send(rank, Welcome())
         if unit.ready:
             self.notes.append(f"unit {unit.unit_id} ({unit.role}) up on {unit.host}")
+
+    def _new_start(self, known: UnitState, info: Hello) -> UnitState:
+        """The state of a unit id that says hello again: a lost unit coming back, or a new start
+        (restarted, or a second unit under the same id) replacing a live one."""
+        if known.alive:
+            self._retire(known, f"was started again ({info.host}, pid {info.pid})")
+        elif known.incarnation and known.incarnation != info.incarnation:
+            self.retired.add((known.unit_id, known.incarnation))
+        unit = UnitState(info.unit, info.role, info.ranks, process=known.process)
+        self.units[info.unit] = unit
+        if self.metrics is not None:
+            self.metrics.unit_restarts.labels(info.role).inc()
+        self.notes.append(
+            f"unit {info.unit} ({info.role}) "
+            + ("rejoins" if known.incarnation == info.incarnation else "started again")
+        )
+        return unit
+
+    def _retire(self, unit: UnitState, why: str) -> None:
+        """Replace a live start of a unit id by a newer one: its requests fail over, and its
+        ranks, if they still run, are told to stop."""
+        self.unit_lost(unit, why)
+        if unit.incarnation:
+            self.retired.add((unit.unit_id, unit.incarnation))
+        self._stop_unit(
+            unit,
+            f"unit {unit.unit_id} was started again elsewhere; this start stops (give each "
+            "unit its own --unit-id)",
+        )
+
+    def _refusal(self, info: Hello) -> str | None:
+        """Why a rank's unit cannot join (another model, another drafting), or None."""
+        drafting = info.num_speculative_tokens > 0
+        if info.model != self.model_digest:
+            return "serves another model"
+        if self.drafting is None:
+            self.drafting = drafting
+        elif drafting != self.drafting:
+            # its KV would lack (or carry) the MTP layer's rows the other units hand off
+            return (
+                "drafts with the MTP layer, the server's units do not (--speculative-tokens)"
+                if drafting
+                else "does not draft with the MTP layer, the server's units do "
+                "(--speculative-tokens)"
+            )
+        return None
 
     def _current(self, unit_request_id: str) -> Tracked | None:
         """The request whose current attempt the units know by this id."""
@@ -613,6 +710,7 @@ class Router:
     def unit_lost(self, unit: UnitState, why: str) -> None:
         """Drop a unit; retry or fail the requests it held."""
         unit.alive = False
+        unit.lost = why
         self.notes.append(f"unit {unit.unit_id} ({unit.role}) {why}")
         if self.metrics is not None:
             self.metrics.unit_gone(unit)

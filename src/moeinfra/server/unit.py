@@ -4,10 +4,12 @@ expert-parallel MoE) that take requests from the API server over ZeroMQ.
 Roles: ``prefill`` (compute the prompt and first token, hand the KV to a decode rank, read and
 write the on-disk prefix cache), ``decode`` (receive hand-offs, generate the rest), ``colocated``
 (both, no hand-off). Each rank connects a ``DEALER`` socket to the server's control address (its
-identity ``<unit>/<rank>``), says hello, then runs the engine loop
-(:func:`~moeinfra.engine.worker.serve_loop`): requests and aborts come in, step outputs, hand-off
-notices and a state report (queues, KV blocks, expert balancedness, MTP drafts) every
-``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefill ranks push KV to.
+identity ``<unit>/<rank>/<incarnation>``: the start its ranks agreed on), says hello, then runs
+the engine loop (:func:`~moeinfra.engine.worker.serve_loop`): requests and aborts come in, step
+outputs, hand-off notices and a state report (queues, KV blocks, expert balancedness, MTP drafts)
+every ``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefill ranks push KV
+to. The reports are the unit's heartbeat: an API server that does not know the rank (it restarted)
+answers one with ``Rejoin``, and the rank ends what it holds and says hello again.
 
 :func:`run_unit` is what ``moeinfra serve unit`` runs: it spawns the ranks and exits with them
 (a rank that dies takes its unit down; the server sees the unit go and fails over).
@@ -15,6 +17,7 @@ notices and a state report (queues, KV blocks, expert balancedness, MTP drafts) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -100,7 +103,7 @@ def _disk_cache(spec: UnitSpec, core):
 
     data = core.cache.data
     fingerprint = model_fingerprint(
-        (Path(spec.model_dir) / "config.json").read_bytes(),
+        spec.model_dir,
         data.dtype,
         core.config.block_size,
         (data.shape[0], data.shape[2]),
@@ -157,16 +160,17 @@ class NoopModel:
 class RankServer:
     """One rank's sockets and the glue between them and the engine loop."""
 
-    def __init__(self, spec: UnitSpec, rank: int, core) -> None:
+    def __init__(self, spec: UnitSpec, rank: int, core, incarnation: str = "") -> None:
         import zmq
 
         from moeinfra.server.secret import authenticator, connect_securely, read_secret
 
         self.spec, self.rank, self.core = spec, rank, core
+        self.incarnation = incarnation
         self.ctx = zmq.Context()
         self.keys = read_secret(spec.secret_file) if spec.secret_file else None
         self.control = self.ctx.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.IDENTITY, f"{spec.unit_id}/{rank}".encode())
+        self.control.setsockopt(zmq.IDENTITY, f"{spec.unit_id}/{rank}/{incarnation}".encode())
         self.control.setsockopt(zmq.LINGER, 2000)
         if self.keys is not None:
             connect_securely(self.control, self.keys)
@@ -225,14 +229,29 @@ class RankServer:
                 num_speculative_tokens=core.num_speculative_tokens,
                 dtype=str(core.dtype).removeprefix("torch."),
                 device=str(core.device),
+                incarnation=self.incarnation,
             )
         )
         self.hello_at = time.monotonic()
 
-    def _send(self, message) -> None:
+    def _send(self, message, droppable: bool = False) -> None:
+        """Send to the API server. While it is away its messages queue (up to ZeroMQ's
+        high-water mark) for the next one; a ``droppable`` report that finds the queue full is
+        dropped instead of stopping the rank until a server comes."""
+        import zmq
+
         from moeinfra.server.messages import encode
 
-        self.control.send(encode(message))
+        with contextlib.suppress(zmq.Again):
+            self.control.send(encode(message), flags=zmq.NOBLOCK if droppable else 0)
+
+    def rejoin(self) -> None:
+        """The API server does not know this rank: end every request it holds (their clients
+        were the server's that forgot them) and say hello again."""
+        for request_id in list(self.core.requests):
+            self.core.abort(request_id)
+        self.welcomed = self.warned = False
+        self.hello()
 
     # ------------------------------------------------------------------ engine loop hooks
     def receive(self, timeout: float | None) -> list[tuple]:
@@ -261,7 +280,14 @@ class RankServer:
 
     def _control_message(self, raw: bytes) -> tuple | None:
         """The engine loop's form of a message from the API server (None: nothing for it)."""
-        from moeinfra.server.messages import Abort, Add, BadFrame, Shutdown, decode_to_rank
+        from moeinfra.server.messages import (
+            Abort,
+            Add,
+            BadFrame,
+            Rejoin,
+            Shutdown,
+            decode_to_rank,
+        )
 
         try:
             message = decode_to_rank(raw)
@@ -284,6 +310,8 @@ class RankServer:
         if isinstance(message, Shutdown):
             self.refused = message.reason
             return ("shutdown",)
+        if isinstance(message, Rejoin):
+            return ("rejoin",)
         self.welcomed = True
         return None
 
@@ -304,6 +332,8 @@ class RankServer:
 
         if message[0] == "kv":
             self._arrive(message[1])
+        elif message[0] == "rejoin":
+            self.rejoin()
         elif message[0] == "failed":
             self._send(Failed(message[1], message[2]))
 
@@ -424,7 +454,8 @@ class RankServer:
                 dropped_frames=self.dropped_frames,
                 preemptions=core.scheduler.num_preemptions,
                 steps=self._new_steps(),
-            )
+            ),
+            droppable=True,
         )
 
     def _new_steps(self) -> list[tuple]:
@@ -497,13 +528,14 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
                 world_size=spec.ranks,
                 timeout=timedelta(seconds=spec.collective_timeout_s),
             )
+        incarnation = agree_incarnation(spec.ranks, device)
         comm = Communicator(delay_s=spec.comm_delay_s)
         core = EngineCore(Path(spec.model_dir), spec.engine, comm)
         if spec.noop_model:
             core.model = NoopModel(core.model, core.model_config)
         else:
             core.warm_up()  # before hello: no request waits behind first-call costs
-        server = RankServer(spec, rank, core)
+        server = RankServer(spec, rank, core, incarnation)
         try:
             server.hello()
             serve_loop(core, server.receive, server.emit, server.handle)
@@ -529,6 +561,20 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
         if errors is not None:
             errors.put(rank)
         raise
+
+
+def agree_incarnation(ranks: int, device) -> str:
+    """A name for this start of the unit that all its ranks share: rank 0 draws it and every
+    rank takes it from rank 0 (a restart draws another)."""
+    import secrets
+
+    import torch
+    import torch.distributed as dist
+
+    drawn = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    if ranks > 1:
+        dist.broadcast(drawn, 0)
+    return f"{int(drawn.item()):016x}"
 
 
 def _watch_parent(parent_pid: int, on_gone) -> None:
