@@ -26,6 +26,8 @@ SPANNING = ["--ranks", "4", "--nproc-per-node", "2"]  # a unit over two hosts
         ([*DECODE_UNIT, "--node-rank", "1"], "--node-rank=1"),
         ([*DECODE_UNIT, *SPANNING, "--node-rank", "2"], "--node-rank=2"),
         ([*DECODE_UNIT, *SPANNING, "--node-rank", "1"], "--master-addr"),
+        ([*DECODE_UNIT, "--ranks", "3", "--nproc-per-node", "2"], "--nproc-per-node=2 must divide"),
+        ([*DECODE_UNIT, "--max-restarts", "-1"], "--max-restarts=-1"),
         ([*DECODE_UNIT, "--cpu-threads", "0"], "--cpu-threads=0"),
         (["serve", "up", "--prefill-units", "-1"], "--prefill-units=-1"),
         (["serve", "up", "--cpu-threads", "0"], "--cpu-threads=0"),

@@ -256,3 +256,57 @@ def test_decode_tokens_that_overtake_the_first_token_wait_for_it():
     texts = [tracked.events.get_nowait().new_text for _ in range(3)]
     assert texts == ["a", "b", "c"] and tracked.events.empty()
     assert "cmpl-2" not in router.requests and tracked.generated == 3
+
+
+def test_a_hand_off_the_decode_rank_does_not_take_fails_its_request_in_time():
+    """The prefill rank's first token is in, the KV never reaches the decode rank (a wrong
+    address, a stalled host): the request ends with an error naming the decode unit, and a
+    request whose hand-off the decode rank took is left alone."""
+    import asyncio as aio
+
+    from moeinfra.engine.outputs import StepOutput
+    from moeinfra.server.messages import Received
+    from moeinfra.server.router import Tracked
+
+    async def scenario():
+        router = fake_router({"p0": ("prefill", 0.0), "d0": ("decode", 0.0)})
+        router._send = lambda rank, message: None
+        router.kv_transfer_timeout_s = 0.3
+        lost, taken = (Tracked(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), 0) for i in (1, 2))
+        for tracked in (lost, taken):
+            router.submit(tracked)
+            router._output(tracked.prefill, StepOutput(tracked.request_id, [8], "a", False))
+        router._on_message(b"d0/0", Received("r2"))
+        watch = aio.create_task(router._watch_loop())
+        await aio.sleep(0.6)
+        watch.cancel()
+        return router, lost, taken
+
+    router, lost, taken = aio.run(scenario())
+    events = []
+    while not lost.events.empty():
+        events.append(lost.events.get_nowait())
+    assert events[-1][0] == "error" and "d0" in events[-1][2]
+    assert "--kv-transfer-timeout" in events[-1][2] and "r1" not in router.requests
+    assert "r2" in router.requests and taken.handoff_deadline is None
+
+
+def test_a_stalled_decode_unit_fails_a_hand_off_at_the_kv_transfer_timeout(tiny_bpe):
+    """The decode unit is stopped (SIGSTOP): the request does not wait for the unit timeout
+    (10 s) or forever; it fails after --kv-transfer-timeout with the reason."""
+    srv = ServerProcess(["--model", str(tiny_bpe), *SMALL, "--decode-ranks", "1",
+                         "--kv-transfer-timeout", "1s"])  # fmt: skip
+    decode_pid = None
+    try:
+        health = httpx.get(f"{srv.url}/health").json()["units"]
+        decode_pid = next(u["pids"][0] for u in health.values() if u["role"] == "decode")
+        os.kill(decode_pid, signal.SIGSTOP)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
+        answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code >= 500
+        message = answer.json()["error"]["message"]
+        assert "did not complete within 1 s" in message and "--kv-transfer-timeout" in message
+    finally:
+        if decode_pid is not None:
+            os.kill(decode_pid, signal.SIGCONT)
+        assert srv.stop() == 0, "".join(srv.log)

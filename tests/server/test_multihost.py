@@ -1,15 +1,18 @@
 """A unit whose ranks span hosts (``serve unit --nproc-per-node/--node-rank/--master-addr``), run
 here as two processes that meet only at the unit's rendezvous address, as two hosts would; every
-socket under a shared secret (``--secret-file``), as across real hosts."""
+socket under a shared secret (``--secret-file``), as across real hosts. A rank killed on one
+"host" restarts the whole unit on both (torch's elastic agent), which rejoins the server."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
-from tests.server.conftest import ServerProcess, wait_until
+from tests.server.conftest import ServerProcess, metric, wait_until
 
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.moe.launch import free_port
@@ -23,7 +26,9 @@ def _unit(control: str, model, *args: str) -> subprocess.Popen:
     )
 
 
-def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(tiny_bpe, tmp_path):
+def test_a_decode_unit_spanning_two_hosts_serves_as_one_engine_and_restarts_as_one(
+    tiny_bpe, tmp_path
+):
     control = f"tcp://127.0.0.1:{free_port()}"
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
@@ -31,7 +36,8 @@ def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(t
                          "--prefill-units", "0", "--decode-units", "0",
                          "--secret-file", str(secret)])  # fmt: skip
     meet = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    span = ["--role", "decode", "--ranks", "2", "--nproc-per-node", "1", "--unit-id", "decode-x"]
+    span = ["--role", "decode", "--ranks", "2", "--nproc-per-node", "1", "--unit-id", "decode-x",
+            "--max-restarts", "1"]  # fmt: skip
     held = ["--secret-file", str(secret)]
     units = [
         _unit(control, tiny_bpe, "--role", "prefill", "--ranks", "1", *held),
@@ -56,11 +62,36 @@ def test_a_decode_unit_spanning_two_hosts_serves_the_same_tokens_as_one_engine(t
                 )
             ]
         body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        answers = [
-            httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
-            for p in prompts
-        ]
-        assert [a.json()["choices"][0]["text"] for a in answers] == expected
+
+        def answers() -> list[str]:
+            return [
+                httpx.post(
+                    f"{srv.url}/v1/completions", json={**body, "prompt": p}, timeout=120
+                ).json()["choices"][0]["text"]
+                for p in prompts
+            ]
+
+        assert answers() == expected
+        # one "host"'s rank dies: the other host's rank does not sit in its next collective until
+        # the 120 s timeout; both start again and the unit rejoins under its id
+        killed = time.monotonic()
+        os.kill(unit["pids"][1], signal.SIGKILL)
+
+        def restarted() -> bool:
+            health = httpx.get(f"{srv.url}/health").json()
+            now = health["units"].get("decode-x")
+            return (
+                health["status"] == "ok"
+                and now is not None
+                and now["ready"]
+                and not set(now["pids"]) & set(unit["pids"])
+            )
+
+        wait_until(restarted, timeout_s=90)
+        print(f"the unit served again {time.monotonic() - killed:.1f} s after a rank was killed")
+        assert time.monotonic() - killed < 60
+        assert metric(srv.url, "moeinfra:unit_restarts_total", 'role="decode"') == 1
+        assert answers() == expected
     finally:
         assert srv.stop() == 0, "".join(srv.log)
         for unit in units:  # the server's drain tells every unit to stop, joined ones too

@@ -192,3 +192,21 @@ def test_a_short_secret_is_refused(tmp_path):
     assert is_loopback("tcp://127.0.0.1:5") and is_loopback("tcp://[::1]:5")
     assert is_loopback("localhost") and not is_loopback("tcp://*:5")
     check_exposure({"--control": "tcp://0.0.0.0:1"}, None, insecure=True)  # the operator's call
+
+
+def test_a_decode_unit_on_another_host_advertises_its_routable_address():
+    """Without --kv-host a decode unit binds the address it reaches the server from, never a
+    loopback that prefill ranks elsewhere would take for their own (then, beyond loopback, it
+    needs the secret); an unreachable server is one line naming --server and --kv-host."""
+    from moeinfra.errors import InputError
+    from moeinfra.server.unit import address_toward
+
+    assert address_toward("tcp://127.0.0.1:5557") == "127.0.0.1"
+    with pytest.raises(InputError, match="--server=tcp://no-such-host.invalid:1.*--kv-host"):
+        address_toward("tcp://no-such-host.invalid:1")
+    r = subprocess.run(
+        [sys.executable, "-m", "moeinfra.cli", "serve", "unit", "--server", "tcp://10.255.0.1:5557",
+         "--role", "decode"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--kv-host" in r.stderr and "127.0.0.1" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -200,6 +200,13 @@ def register(app: typer.Typer) -> None:
             "too) before the unit is taken as lost and its requests retried or failed, with a "
             "unit (us, ms, s): 10s.",
         ),
+        kv_transfer_timeout: str = typer.Option(
+            "30s",
+            "--kv-transfer-timeout",
+            metavar="DURATION",
+            help="Time a decode rank has to take a request's KV after its first token before the "
+            "request fails (us, ms, s): 30s.",
+        ),
         num_kv_blocks: int | None = _BLOCKS,
         kv_cache_memory_bytes: int | None = _KV_MEMORY,
         memory_utilization: float = _UTILIZATION,
@@ -282,6 +289,7 @@ def register(app: typer.Typer) -> None:
             chat_template_text(chat_template)
         drain_timeout_s = parse_duration_s(drain_timeout, "--drain-timeout")
         unit_timeout_s = parse_duration_s(unit_timeout, "--unit-timeout")
+        kv_transfer_timeout_s = parse_duration_s(kv_transfer_timeout, "--kv-transfer-timeout")
         comm_delay_s = parse_duration_s(comm_delay, "--comm-delay")
         autoscale_interval_s = parse_duration_s(autoscale_interval, "--autoscale-interval")
 
@@ -345,6 +353,7 @@ def register(app: typer.Typer) -> None:
             max_model_len=max_model_len,
             drain_timeout_s=drain_timeout_s,
             unit_timeout_s=unit_timeout_s,
+            kv_transfer_timeout_s=kv_transfer_timeout_s,
             comm_delay_s=comm_delay_s,
             noop_model=noop_model,
             cpu_threads=cpu_threads,
@@ -367,8 +376,11 @@ def register(app: typer.Typer) -> None:
         role: str = typer.Option(..., "--role", help="prefill, decode or colocated."),
         ranks: int = typer.Option(2, "--ranks", help="Ranks (EP degree) of this unit."),
         model: Path | None = _MODEL,
-        kv_host: str = typer.Option(
-            "127.0.0.1", "--kv-host", help="This host's address for incoming KV (decode)."
+        kv_host: str | None = typer.Option(
+            None,
+            "--kv-host",
+            help="This host's address for incoming KV (decode). Default: its address on the "
+            "route to --server.",
         ),
         kv_cache_dir: Path | None = typer.Option(None, "--kv-cache-dir"),
         kv_cache_bytes: int = _CACHE_BYTES,
@@ -399,7 +411,13 @@ def register(app: typer.Typer) -> None:
             help="Ranks on this host when the unit spans hosts (default: all --ranks).",
         ),
         node_rank: int = typer.Option(
-            0, "--node-rank", help="This host's place: it runs ranks node_rank x nproc-per-node on."
+            0, "--node-rank", help="0 on the host of --master-addr (it hosts the rendezvous)."
+        ),
+        max_restarts: int = typer.Option(
+            0,
+            "--max-restarts",
+            help="Times torch's elastic agent starts every rank of the unit again after one "
+            "fails (on every host of the unit; each start rejoins the server).",
         ),
         master_addr: str | None = typer.Option(
             None, "--master-addr", help="Host of the unit's rank 0 (a unit spanning hosts)."
@@ -422,47 +440,57 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--role={role!r} must be one of {', '.join(ROLES)}")
         if ranks < 1:
             raise InputError(f"--ranks={ranks} must be >= 1")
+        if max_restarts < 0:
+            raise InputError(f"--max-restarts={max_restarts} must be >= 0")
         if cpu_threads is not None and cpu_threads < 1:
             raise InputError(f"--cpu-threads={cpu_threads} must be >= 1")
         if not server.startswith("tcp://") or ":" not in server[6:]:
             raise InputError(f"--server={server!r} must be a ZeroMQ address like tcp://HOST:PORT")
         from moeinfra.server.secret import check_exposure, read_secret
+        from moeinfra.server.unit import address_toward, check_drafting
 
         keys = read_secret(input_file(secret_file, "--secret-file")) if secret_file else None
-        if role == "decode":
+        if role == "decode" and kv_host is not None:
             check_exposure({"--kv-host": kv_host}, keys, insecure)
         here = ranks if nproc_per_node is None else nproc_per_node
         rendezvous = _rendezvous(ranks, here, node_rank, master_addr, master_port, unit_id)
         model_dir = input_folder(model, "--model") if model is not None else default_model()
         if kv_cache_dir is not None:
             output_folder(kv_cache_dir, "--kv-cache-dir")
+        engine = _engine_config(
+            model_dir,
+            num_kv_blocks,
+            kv_cache_memory_bytes,
+            memory_utilization,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            dtype,
+            redundant_experts,
+            eplb_interval,
+            overlap,
+            device,
+            speculative_tokens,
+        )
+        check_drafting(model_dir, engine.num_speculative_tokens)
+        if role == "decode" and kv_host is None:
+            # prefill ranks on other hosts push KV here: a loopback address would be their own
+            kv_host = address_toward(server)
+            check_exposure({"--kv-host": kv_host}, keys, insecure)
         spec = UnitSpec(
             unit_id=unit_id or f"{role}-{uuid.uuid4().hex[:6]}",
             role=role,
             ranks=ranks,
             server=server,
             model_dir=str(model_dir),
-            engine=_engine_config(
-                model_dir,
-                num_kv_blocks,
-                kv_cache_memory_bytes,
-                memory_utilization,
-                block_size,
-                max_num_seqs,
-                max_num_batched_tokens,
-                dtype,
-                redundant_experts,
-                eplb_interval,
-                overlap,
-                device,
-                speculative_tokens,
-            ),
-            kv_host=kv_host,
+            engine=engine,
+            kv_host=kv_host or "127.0.0.1",
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,
             disk_cache_bytes=kv_cache_bytes,
             comm_delay_s=comm_delay_s,
             noop_model=noop_model,
-            first_rank=node_rank * here,
+            node_rank=node_rank,
+            max_restarts=max_restarts,
             local_ranks=here,
             rendezvous=rendezvous,
             threads=cpu_threads,
@@ -632,10 +660,15 @@ def _rendezvous(
                 "(give --nproc-per-node to spread the unit over hosts)"
             )
         return None
-    if node_rank < 0 or (node_rank + 1) * here > ranks:
+    if ranks % here:
         raise InputError(
-            f"--node-rank={node_rank}: ranks {node_rank * here}-{(node_rank + 1) * here - 1} "
-            f"do not fit in --ranks={ranks} at --nproc-per-node={here}"
+            f"--nproc-per-node={here} must divide --ranks={ranks}: every host of a unit runs "
+            "as many ranks"
+        )
+    if not 0 <= node_rank < ranks // here:
+        raise InputError(
+            f"--node-rank={node_rank} must be between 0 and {ranks // here - 1} (--ranks={ranks} "
+            f"at --nproc-per-node={here} is {ranks // here} hosts)"
         )
     if master_addr is None or master_port is None or unit_id is None:
         raise InputError(

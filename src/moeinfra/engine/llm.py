@@ -97,19 +97,19 @@ class LLM:
     def _spawn(self, ranks: int, comm_delay_s: float) -> None:
         import torch.multiprocessing as mp
 
-        from moeinfra.moe.launch import free_port
+        from moeinfra.moe.launch import serve_store
 
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(ranks)]
-        init = f"tcp://127.0.0.1:{free_port()}"
+        self._store = serve_store()  # the ranks meet there (and make their groups there)
         for rank in range(ranks):
             proc = ctx.Process(
                 target=worker_main,
                 args=(
                     rank,
                     ranks,
-                    init,
+                    self._store.port,
                     str(self.model_dir),
                     self.config,
                     comm_delay_s,

@@ -14,7 +14,6 @@ import os
 import queue
 import traceback
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -48,7 +47,7 @@ def run_steps(core: EngineCore) -> Iterator[list[StepOutput]]:
 def worker_main(
     rank: int,
     world: int,
-    init_method: str,
+    store_port: int,
     model_dir: str,
     config: EngineConfig,
     comm_delay_s: float,
@@ -62,16 +61,11 @@ def worker_main(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from moeinfra.moe.comm import Communicator
+    from moeinfra.moe.launch import join_group
 
     try:
         device = place_rank(config.device, rank)
-        dist.init_process_group(
-            collective_backend(device),
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
+        join_group(store_port, rank, world, collective_backend(device), collective_timeout_s)
         comm = Communicator(delay_s=comm_delay_s)
         try:
             core = EngineCore(model_dir, config, comm)

@@ -20,10 +20,32 @@ from moeinfra.errors import InputError
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 right now, for a process of someone else's to bind (it may be
+    taken in between: ranks this process spawns meet at :func:`serve_store` instead)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_store():
+    """A ``TCPStore`` this process serves on 127.0.0.1, on a port the kernel picks and this
+    process keeps bound: the ranks it spawns meet there (:func:`join_group`). Keep it referenced
+    until they have joined. (A port picked free, closed, and bound again by a rank can be taken
+    by another process in between.)"""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(port: int, rank: int, world: int, backend: str, timeout_s: float) -> None:
+    """``init_process_group`` of a spawned rank over the parent's :func:`serve_store` at
+    ``port``."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(
@@ -38,13 +60,7 @@ def _worker(
     torch.set_num_threads(1)
     keep_freed_memory()
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
+        join_group(port, rank, world, "gloo", collective_timeout_s)
         try:
             results.put((rank, True, fn(*args)))
         finally:
@@ -71,7 +87,8 @@ def launch(
         raise InputError(f"world_size={world_size!r} must be a positive integer")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = serve_store()
+    port = store.port
     procs = [
         ctx.Process(
             target=_worker,

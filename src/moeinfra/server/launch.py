@@ -108,6 +108,7 @@ class ServeOptions:
     start_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     unit_timeout_s: float = 10.0
+    kv_transfer_timeout_s: float = 30.0
     comm_delay_s: float = 0.0
     autoscale: AutoscalePolicy | None = None
     noop_model: bool = False
@@ -159,6 +160,8 @@ class ServeOptions:
             raise InputError(f"--max-queue={self.max_queue} must be >= 0")
         if not self.unit_timeout_s >= 1.0:  # ranks report every 0.25 s and after every step
             raise InputError(f"--unit-timeout={self.unit_timeout_s} must be >= 1 second")
+        if not self.kv_transfer_timeout_s > 0:
+            raise InputError(f"--kv-transfer-timeout={self.kv_transfer_timeout_s} must be > 0")
         if not self.drain_timeout_s >= 0:
             raise InputError(f"--drain-timeout={self.drain_timeout_s} must be >= 0")
         if self.autoscale is not None:
@@ -352,6 +355,7 @@ def serve(options: ServeOptions, announce=print) -> int:
         config_digest(model_dir),
         max_queue=options.max_queue,
         unit_timeout_s=options.unit_timeout_s,
+        kv_transfer_timeout_s=options.kv_transfer_timeout_s,
         metrics=metrics,
         drafting=engine.num_speculative_tokens > 0,
         keys=keys,

@@ -116,6 +116,12 @@ class State(msgspec.Struct, tag="state"):
     steps: list[StepRow] = []
 
 
+class Received(msgspec.Struct, tag="received"):
+    """A decode rank took a request's KV hand-off (the hand-off is complete)."""
+
+    request_id: str
+
+
 class Failed(msgspec.Struct, tag="failed"):
     """A request the rank could not take (a hand-off that failed verification)."""
 
@@ -129,7 +135,7 @@ class Bye(msgspec.Struct, tag="bye"):
     rank: int
 
 
-ToRouter = Hello | Outputs | State | Failed | Bye
+ToRouter = Hello | Outputs | State | Received | Failed | Bye
 
 
 # ---------------------------------------------------------------- prefill rank -> decode rank

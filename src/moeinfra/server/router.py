@@ -7,7 +7,9 @@ rank has queued; :class:`~moeinfra.serving.balancers.DecodeLoadBalancer` over ev
 fed with each rank's live KV tokens and requests), sends it to its prefill rank with the decode
 rank's KV address, and routes the step outputs that come back to the request's event queue.
 
-Failures: a unit whose process exits (or whose ranks stop reporting for ``unit_timeout_s``) is
+Failures: a request whose KV hand-off the decode rank has not taken ``kv_transfer_timeout_s``
+after the prefill rank's first token ends with an error naming the decode unit and its address.
+A unit whose process exits (or whose ranks stop reporting for ``unit_timeout_s``) is
 dropped. Its requests are retried once on other units when the client has seen none of their
 tokens yet (non-streaming requests, streams before their first token), and end with an error
 otherwise.
@@ -40,6 +42,7 @@ from moeinfra.server.messages import (
     Failed,
     Hello,
     Outputs,
+    Received,
     Rejoin,
     Shutdown,
     State,
@@ -196,6 +199,8 @@ class Tracked:
     arrival_s: float = field(default_factory=time.monotonic)
     generated: int = 0
     early: list = field(default_factory=list)  # decode outputs that overtook the first token
+    received: bool = False  # the decode rank took the KV hand-off
+    handoff_deadline: float | None = None  # when a hand-off not taken by then fails the request
 
     @property
     def uncached(self) -> int:
@@ -220,6 +225,7 @@ class Router:
         *,
         max_queue: int = 64,
         unit_timeout_s: float = 10.0,
+        kv_transfer_timeout_s: float = 30.0,
         metrics=None,
         drafting: bool | None = None,
         keys=None,
@@ -232,6 +238,7 @@ class Router:
         self.drafting = drafting
         self.max_queue = max_queue
         self.unit_timeout_s = unit_timeout_s
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.metrics = metrics
         self.units: dict[str, UnitState] = {}
         self.requests: dict[str, Tracked] = {}
@@ -383,7 +390,7 @@ class Router:
             pick = DecodeLoadBalancer(len(decode_ranks)).assign_decode([n + 1], kv, count)
             decode = decode_ranks[int(pick[0])]
         tracked.prefill, tracked.decode, tracked.phase = prefill, decode, "prefill"
-        tracked.early = []
+        tracked.early, tracked.received, tracked.handoff_deadline = [], False, None
         prefill.queued_tokens += tracked.uncached
         prefill.queued_attention += float(attention_cost(tracked.uncached, cached))
         prefill.requests.add(tracked.request_id)
@@ -405,6 +412,8 @@ class Router:
             )
             if rank is not tracked.decode:
                 rank.requests.discard(tracked.request_id)
+                if not tracked.received:
+                    tracked.handoff_deadline = time.monotonic() + self.kv_transfer_timeout_s
             tracked.phase = "decode"
 
     def _release(self, tracked: Tracked) -> None:
@@ -558,6 +567,10 @@ class Router:
             if self.metrics is not None:
                 self.metrics.unit_state(rank.unit)
                 self.metrics.rank_counters(previous, message, rank.unit)
+        elif isinstance(message, Received):
+            tracked = self._current(message.request_id)
+            if tracked is not None and rank is tracked.decode:
+                tracked.received, tracked.handoff_deadline = True, None
         elif isinstance(message, Failed):
             tracked = self._current(message.request_id)
             if tracked is not None:
@@ -693,6 +706,15 @@ class Router:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
+            for tracked in [t for t in self.requests.values() if t.handoff_deadline]:
+                if now > tracked.handoff_deadline:
+                    unit = tracked.decode.unit
+                    self._fail(
+                        tracked,
+                        f"the KV hand-off of its prompt to decode unit {unit.unit_id} "
+                        f"({tracked.decode.kv_address} on {unit.host}) did not complete within "
+                        f"{self.kv_transfer_timeout_s:g} s (--kv-transfer-timeout)",
+                    )
             for unit in list(self.units.values()):
                 if not unit.alive:
                     continue

@@ -11,8 +11,12 @@ every ``REPORT_S`` go out. A decode rank also binds a ``PULL`` socket that prefi
 to. The reports are the unit's heartbeat: an API server that does not know the rank (it restarted)
 answers one with ``Rejoin``, and the rank ends what it holds and says hello again.
 
-:func:`run_unit` is what ``moeinfra serve unit`` runs: it spawns the ranks and exits with them
-(a rank that dies takes its unit down; the server sees the unit go and fails over).
+:func:`run_unit` is what ``moeinfra serve unit`` runs: the ranks under torch's elastic agent
+(what ``torchrun`` runs: a c10d rendezvous, on this host or across the unit's hosts). A rank that
+dies takes its whole unit down (its peers would block in the next all-to-all): the agent stops
+every rank, on every host of the unit, and starts them all again (``max_restarts`` times), and
+the new start says hello under the same unit id; the API server fails over what the old start
+held. A one-rank unit without restarts runs its rank in the process itself.
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ class UnitSpec:
     comm_delay_s: float = 0.0
     collective_timeout_s: float = 120.0
     noop_model: bool = False
-    # a unit spanning hosts: this host runs ranks first_rank .. first_rank + local_ranks - 1 and
-    # all hosts meet at rendezvous (tcp://HOST:PORT on the host of rank 0); None: all ranks here
-    first_rank: int = 0
+    # a unit spanning hosts: this host runs local_ranks of them and all hosts meet at rendezvous
+    # (tcp://HOST:PORT, the c10d store that node_rank 0 hosts; the rendezvous numbers the ranks
+    # in the order the hosts arrive); None: all ranks here
+    node_rank: int = 0
     local_ranks: int | None = None
     rendezvous: str | None = None
     threads: int | None = None  # CPU threads per rank (None: threads_per_rank's choice)
     secret_file: str | None = None  # the shared secret's file: CURVE on every socket
+    max_restarts: int = 0  # times the elastic agent starts the unit's ranks again after a failure
 
 
 def threads_per_rank(ranks_here: int) -> int:
@@ -70,6 +76,24 @@ def threads_per_rank(ranks_here: int) -> int:
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     cores = len(usable) if usable is not None else os.cpu_count() or 1
     return max(1, cores // max(ranks_here, 1))
+
+
+def address_toward(server: str) -> str:
+    """This host's address on its route to ``server`` (``tcp://HOST:PORT``): what a decode rank
+    binds and advertises for KV when not told (``127.0.0.1`` when the server is on loopback)."""
+    import socket
+
+    host, _, port = server.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # a UDP connect sends nothing: the kernel routes
+            return probe.getsockname()[0]
+    except (OSError, ValueError) as err:
+        raise InputError(
+            f"--server={server}: no route to it from this host ({err}); give --kv-host"
+        ) from None
 
 
 def config_digest(model_dir: str | Path) -> str:
@@ -339,7 +363,7 @@ class RankServer:
 
     def _arrive(self, frames) -> None:
         from moeinfra.server.kv_transfer import TransferError, unpack
-        from moeinfra.server.messages import BadFrame, Failed
+        from moeinfra.server.messages import BadFrame, Failed, Received
 
         data = self.core.cache.data
         try:
@@ -362,6 +386,8 @@ class RankServer:
             )
         except InputError as err:
             self._send(Failed(arrival.request_id, str(err)))
+            return
+        self._send(Received(arrival.request_id))
 
     def emit(self, outputs) -> None:
         from moeinfra.server.messages import Outputs
@@ -501,12 +527,9 @@ class RankServer:
         self.ctx.term()
 
 
-class Refused(Exception):
-    """The API server told the unit to stop at its hello (another model, drafting mismatch)."""
-
-
-def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -> None:
-    """One rank of a unit: join the unit's process group, load the engine, serve until shutdown."""
+def rank_main(spec: UnitSpec, rank: int, init_method: str | None, local_rank: int = 0) -> str:
+    """One rank of a unit: join the unit's process group, load the engine, serve until shutdown.
+    Returns why the API server refused the unit ("" when it stopped it normally)."""
     threads = spec.threads or threads_per_rank(spec.local_ranks or spec.ranks)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
@@ -519,7 +542,7 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
 
     torch.set_num_threads(threads)
     try:
-        device = place_rank(spec.engine.device, rank - spec.first_rank)
+        device = place_rank(spec.engine.device, local_rank)
         if spec.ranks > 1:
             dist.init_process_group(
                 collective_backend(device),
@@ -548,19 +571,27 @@ def rank_main(spec: UnitSpec, rank: int, init_method: str | None, errors=None) -
         if spec.ranks > 1:
             dist.destroy_process_group()
         if server.refused:
-            raise Refused(server.refused)
+            print(f"unit {spec.unit_id} rank {rank}: {server.refused}", file=sys.stderr, flush=True)
+        return server.refused
     except BaseException as err:
-        if isinstance(err, Refused):
-            print(f"unit {spec.unit_id} rank {rank}: {err}", file=sys.stderr, flush=True)
-        elif not isinstance(err, KeyboardInterrupt):
+        if not isinstance(err, KeyboardInterrupt):
             print(
                 f"unit {spec.unit_id} rank {rank} failed:\n{traceback.format_exc(limit=8)}",
                 file=sys.stderr,
                 flush=True,
             )
-        if errors is not None:
-            errors.put(rank)
         raise
+
+
+def elastic_rank(spec: UnitSpec) -> str:
+    """A rank as the elastic agent starts it (``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` in its environment): :func:`rank_main`."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != spec.ranks:
+        raise RuntimeError(
+            f"the rendezvous made a world of {world} ranks, the unit has {spec.ranks}"
+        )
+    return rank_main(spec, int(os.environ["RANK"]), "env://", int(os.environ["LOCAL_RANK"]))
 
 
 def agree_incarnation(ranks: int, device) -> str:
@@ -596,51 +627,62 @@ def _watch_parent(parent_pid: int, on_gone) -> None:
 
 
 def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
-    """Run a unit's ranks until they shut down; returns a process exit code (0: clean).
+    """Run a unit's ranks until they shut down; returns a process exit code (0: clean, 1: the
+    API server refused the unit or its ranks failed past ``max_restarts``, 130: interrupted).
 
     With ``parent_pid``, the unit exits when that process (the server that started it) is gone."""
-
-    import torch.multiprocessing as mp
-
-    from moeinfra.moe.launch import free_port
-
     if spec.role not in ROLES:
         raise ValueError(f"role={spec.role!r} is not one of {', '.join(ROLES)}")
-    check_drafting(spec.model_dir, spec.engine.num_speculative_tokens)
-    if spec.ranks == 1:
+    if spec.ranks == 1 and not spec.max_restarts:
         if parent_pid is not None:
             _watch_parent(parent_pid, lambda: os._exit(1))
         try:
-            rank_main(spec, 0, None)
+            return 1 if rank_main(spec, 0, None) else 0
         except KeyboardInterrupt:
             return 130
-        except Refused:
-            return 1
-        return 0
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    init = spec.rendezvous or f"tcp://127.0.0.1:{free_port()}"
-    here = range(spec.first_rank, spec.first_rank + (spec.local_ranks or spec.ranks))
-    procs = [ctx.Process(target=rank_main, args=(spec, r, init, errors), daemon=True) for r in here]
-    for p in procs:
-        p.start()
-    orphaned = []
-    if parent_pid is not None:
-        _watch_parent(parent_pid, lambda: orphaned.append(True))
-    code = 0
+    return _run_elastic(spec, parent_pid)
+
+
+def _run_elastic(spec: UnitSpec, parent_pid: int | None) -> int:
+    """The unit's ranks on this host under torch's elastic agent (see the module docstring)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    here = spec.local_ranks or spec.ranks
+    hosts = spec.ranks // here
+    config = LaunchConfig(
+        min_nodes=hosts,
+        max_nodes=hosts,
+        nproc_per_node=here,
+        run_id=spec.unit_id,
+        rdzv_backend="c10d",
+        # one host: a store on a port the agent binds and keeps (no free-port race)
+        rdzv_endpoint=spec.rendezvous.removeprefix("tcp://") if spec.rendezvous else "127.0.0.1:0",
+        rdzv_configs={"is_host": spec.node_rank == 0},
+        max_restarts=spec.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # A store of their own for the ranks of each start, which rank 0 hosts: on the agent's store
+    # (torch's default) the ranks of a start after a membership change read the addresses the
+    # previous start published (nothing names its keys by start) and fail to connect.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if parent_pid is not None:  # the agent stops its ranks on SIGTERM
+        _watch_parent(parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        while any(p.is_alive() for p in procs):
-            dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
-            if dead or orphaned:  # one rank down: its peers would hang in the next collective
-                code = 1
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        code = 130
-    for p in procs:
-        if code and p.is_alive():
-            p.kill()
-        p.join(timeout=10)
-    if not errors.empty():  # (each failed rank printed its traceback)
-        code = code or 1
-    return code
+        refusals = elastic_launch(config, elastic_rank)(spec)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        print(
+            f"unit {spec.unit_id}: rank {rank} failed (exit code {failure.exitcode}) and "
+            f"--max-restarts={spec.max_restarts} restarts are used up",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except SignalException as err:
+        return 130 if err.sigval == signal.SIGINT else 1
+    return 1 if any(refusals.values()) else 0
