@@ -303,3 +303,13 @@ def test_bench_holds_at_most_max_concurrency_requests_in_flight(server):
         overlapping = sum(s <= start < e for s, e in spans)
         assert overlapping <= 3, spans
     assert sum(r.sent_s > min(e for _, e in spans) for r in results) >= 8 - 3
+
+
+def test_a_request_ending_at_its_first_token_writes_its_prompt_to_disk(server, client, model):
+    """lm-eval's loglikelihood requests end at prefill (``max_tokens`` 1) and share long
+    contexts: their prompts' blocks reach the on-disk cache as a hand-off's do."""
+    before = set(server.cache_dir.rglob("*.kv"))
+    prompt = " ".join(f"context sentence number {i} of a shared document" for i in range(12))
+    client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    blocks = wait_until(lambda: set(server.cache_dir.rglob("*.kv")) - before, timeout_s=10)
+    assert len(blocks) >= 4  # (16-token blocks of a ~100-token prompt)

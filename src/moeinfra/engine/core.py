@@ -185,6 +185,9 @@ class EngineCore:
         self.load_window: deque[torch.Tensor] = deque(maxlen=self.config.eplb_window)
         self.stats: deque[StepStats] = deque(maxlen=4096)
         self.handoffs: list[Handoff] = []
+        # (prompt ids, prompt KV in host memory) of requests that ended at their first token,
+        # collected when set to a list (a unit writing them to its on-disk prefix cache)
+        self.ended_at_prefill: list[tuple[list[int], torch.Tensor]] | None = None
         self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
         for layer in self.model.moe:
             layer.record_load = True
@@ -721,6 +724,11 @@ class EngineCore:
         return self._output(seq, [token], new_text)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        ended = reason not in ("abort", "handoff") and len(seq.output_ids) == 1
+        if self.ended_at_prefill is not None and ended:
+            # (lm-eval's loglikelihood requests end here: their shared contexts are worth keeping;
+            # a hand-off's prompt is written where it is sent)
+            self.ended_at_prefill.append((seq.prompt_ids, self.prompt_kv(seq)))
         self.scheduler.finish(seq)
         self._slot_cache.pop(seq.seq_id, None)
         seq.finish_reason = reason

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -216,7 +216,13 @@ class RankServer:
             self.poller.register(self.kv_in, zmq.POLLIN)
         self.kv_out: dict[str, object] = {}
         self.disk = _disk_cache(spec, core)
+        if self.disk is not None:
+            core.ended_at_prefill = []
         self.writer = ThreadPoolExecutor(1) if self.disk is not None else None
+        # prefix reads from disk run off the rank's loop (a shared file system can take
+        # milliseconds a block): request id -> (the read, the "add" waiting for it)
+        self.reader = ThreadPoolExecutor(1) if self.disk is not None else None
+        self.reading: dict[str, tuple[Future, tuple]] = {}
         self.pending_writes = 0
         self.sent_bytes = self.received_bytes = 0
         self.handoffs_sent = 0
@@ -274,6 +280,7 @@ class RankServer:
         were the server's that forgot them) and say hello again."""
         for request_id in list(self.core.requests):
             self.core.abort(request_id)
+        self.reading.clear()
         self.welcomed = self.warned = False
         self.hello()
 
@@ -283,6 +290,7 @@ class RankServer:
 
         messages = []
         events = dict(self.poller.poll(0 if timeout is None else timeout * 1000))
+        messages += self._read_from_disk()
         while events:
             if self.control in events:
                 while True:
@@ -302,6 +310,19 @@ class RankServer:
         self.iteration_began = time.perf_counter()
         return messages
 
+    def _read_from_disk(self) -> list[tuple]:
+        """The "add" of every request whose prefix read finished (with the blocks it found)."""
+        added = []
+        for request_id, (read, add) in list(self.reading.items()):
+            if not read.done():
+                continue
+            del self.reading[request_id]
+            hit = None if read.exception() is not None else read.result()  # (a failed read: a miss)
+            if hit is not None:
+                add[4]["preloaded"] = hit
+            added.append(add)
+        return added
+
     def _control_message(self, raw: bytes) -> tuple | None:
         """The engine loop's form of a message from the API server (None: nothing for it)."""
         from moeinfra.server.messages import (
@@ -319,17 +340,26 @@ class RankServer:
             self._drop("control", err)
             return None
         if isinstance(message, Add):
-            options = {"handoff": message.handoff}
+            add = (
+                "add",
+                message.request_id,
+                message.prompt_ids,
+                message.params,
+                {"handoff": message.handoff},
+            )
             # a request wanting its prompt's log-probabilities computes the whole prompt
-            if self.disk is not None and message.params.prompt_logprobs is None:
-                # only the blocks memory lacks are read (memory may still evict them before
-                # admission; then the scheduler drops the read blocks and computes)
-                ids = message.prompt_ids
-                hit = self.disk.lookup(ids, skip_tokens=self.core.blocks.cached_prefix_tokens(ids))
-                if hit is not None:
-                    options["preloaded"] = hit
-            return ("add", message.request_id, message.prompt_ids, message.params, options)
+            if self.disk is None or message.params.prompt_logprobs is not None:
+                return add
+            # only the blocks memory lacks are read (memory may still evict them before
+            # admission; then the scheduler drops the read blocks and computes)
+            ids = message.prompt_ids
+            skip = self.core.blocks.cached_prefix_tokens(ids)
+            read = self.reader.submit(self.disk.lookup, ids, skip_tokens=skip)
+            self.reading[message.request_id] = (read, add)
+            return None
         if isinstance(message, Abort):
+            if self.reading.pop(message.request_id, None) is not None:
+                return None  # aborted while its prefix was read: never added
             return ("abort", message.request_id)
         if isinstance(message, Shutdown):
             self.refused = message.reason
@@ -397,6 +427,10 @@ class RankServer:
         handoffs, self.core.handoffs = self.core.handoffs, []
         for h in handoffs:
             self._push(h)
+        if self.core.ended_at_prefill:
+            ended, self.core.ended_at_prefill = self.core.ended_at_prefill, []
+            for prompt_ids, kv in ended:
+                self._store(prompt_ids, kv)
         if self.core.steps != self.stepped:
             self.stepped = self.core.steps
             self.step_seconds.append(
@@ -515,6 +549,7 @@ class RankServer:
 
         if self.writer is not None:
             self.writer.shutdown(wait=linger_s is None)
+            self.reader.shutdown(wait=False, cancel_futures=True)
         self._send(Bye(self.rank))
         linger = None if linger_s is None else int(linger_s * 1000)
         for sock in self.kv_out.values():
