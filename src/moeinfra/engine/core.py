@@ -70,8 +70,10 @@ class Handoff:
     """A prefill-only request after its first token: what its decode unit needs to go on.
 
     ``kv [layers, prompt tokens, values]``: the prompt's KV in the cache layout (the MTP layer's
-    included when the unit drafts); ``target``: the ``handoff`` the request was added with;
-    ``drafts``: the MTP layer's drafts after the first token (empty without speculative decoding)."""
+    included when the unit drafts), in host memory once ``ready`` (a CUDA event its copy from the
+    device completes at; None: already there); ``target``: the ``handoff`` the request was added
+    with; ``drafts``: the MTP layer's drafts after the first token (empty without speculative
+    decoding)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -81,6 +83,7 @@ class Handoff:
     num_cached_tokens: int
     target: object
     drafts: list[int] = field(default_factory=list)
+    ready: object = None
 
 
 @dataclass(frozen=True)
@@ -634,16 +637,26 @@ class EngineCore:
         return self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]].cpu()
 
     def _hand_off(self, seq: Sequence) -> None:
+        rows = self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]]  # (a copy)
+        ready = None
+        if rows.device.type == "cuda":  # to host memory while the next step runs
+            kv = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            kv.copy_(rows, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            kv = rows
         self.handoffs.append(
             Handoff(
                 seq.request_id,
                 seq.prompt_ids,
                 list(seq.output_ids),
                 seq.params,
-                self.prompt_kv(seq),
+                kv,
                 seq.num_cached,
                 seq.handoff,
                 list(seq.drafts),
+                ready,
             )
         )
         self._finish(seq, "handoff")

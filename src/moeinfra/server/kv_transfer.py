@@ -1,8 +1,9 @@
 """KV hand-off from a prefill rank to a decode rank over ZeroMQ.
 
-Why ZeroMQ: the transfer must run while the prefill rank computes its next batch. A ZeroMQ ``PUSH``
-socket queues the message and its I/O thread sends it in the background (``copy=False`` hands the
-tensor's memory over without a copy), so the prefill loop never waits on the network; multipart
+Why ZeroMQ: the transfer must run while the prefill rank computes its next batch. The rank's
+sender thread frames a hand-off and check-sums its blocks, a ZeroMQ ``PUSH`` socket queues the
+message and its I/O thread sends it in the background (``copy=False`` hands the tensor's memory
+over without a copy), so the prefill loop never waits on the framing or the network; multipart
 messages keep the blocks as separate frames; and it is the same TCP transport across hosts as on
 one. torch.distributed point-to-point would need every prefill and decode rank in one process group
 (fixed at start, so units could not come and go) and blocks the caller unless used with ``isend``

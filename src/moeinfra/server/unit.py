@@ -214,7 +214,11 @@ class RankServer:
             port = self.kv_in.bind_to_random_port(f"tcp://{spec.kv_host}")
             self.kv_address = f"tcp://{spec.kv_host}:{port}"
             self.poller.register(self.kv_in, zmq.POLLIN)
-        self.kv_out: dict[str, object] = {}
+        self.kv_out: dict[str, object] = {}  # (the sender thread's sockets)
+        # hand-offs are framed, check-summed and queued on a thread of their own: the next
+        # step does not wait for the previous one's (its KV was copied out of the cache)
+        self.sender = ThreadPoolExecutor(1)
+        self.send_failures: list[tuple[str, str]] = []  # (request id, why), from the sender
         self.disk = _disk_cache(spec, core)
         if self.disk is not None:
             core.ended_at_prefill = []
@@ -420,13 +424,15 @@ class RankServer:
         self._send(Received(arrival.request_id))
 
     def emit(self, outputs) -> None:
-        from moeinfra.server.messages import Outputs
+        from moeinfra.server.messages import Failed, Outputs
 
         if outputs:
             self._send(Outputs(outputs))
         handoffs, self.core.handoffs = self.core.handoffs, []
         for h in handoffs:
             self._push(h)
+        while self.send_failures:
+            self._send(Failed(*self.send_failures.pop()))
         if self.core.ended_at_prefill:
             ended, self.core.ended_at_prefill = self.core.ended_at_prefill, []
             for prompt_ids, kv in ended:
@@ -450,11 +456,18 @@ class RankServer:
             )
 
     def _push(self, handoff) -> None:
+        self.sender.submit(self._send_kv, handoff)
+        self._store(handoff.prompt_ids, handoff.kv, handoff.ready)
+
+    def _send_kv(self, handoff) -> None:
+        """Frame, check-sum and queue a hand-off on its decode rank's socket (sender thread)."""
         import zmq
 
         from moeinfra.server.kv_transfer import pack
         from moeinfra.server.secret import connect_securely
 
+        if handoff.ready is not None:
+            handoff.ready.synchronize()
         address = handoff.target
         sock = self.kv_out.get(address)
         if sock is None:
@@ -463,21 +476,27 @@ class RankServer:
             sock.setsockopt(zmq.SNDHWM, 0)
             if self.keys is not None:
                 connect_securely(sock, self.keys)
-            sock.connect(address)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as err:
+                sock.close(linger=0)
+                self.send_failures.append((handoff.request_id, f"KV address {address}: {err}"))
+                return
             self.kv_out[address] = sock
         frames = pack(handoff, self.core.config.block_size)
-        sock.send_multipart(frames, copy=False)  # the I/O thread sends while we compute on
+        sock.send_multipart(frames, copy=False)  # ZeroMQ's I/O thread sends from here
         self.sent_bytes += sum(getattr(f, "nbytes", len(f)) for f in frames[1:])
         self.handoffs_sent += 1
-        self._store(handoff.prompt_ids, handoff.kv)
 
-    def _store(self, prompt_ids, kv) -> None:
+    def _store(self, prompt_ids, kv, ready=None) -> None:
         if self.disk is None or self.pending_writes > 64:
             return
         self.pending_writes += 1
 
         def write():
             try:
+                if ready is not None:
+                    ready.synchronize()
                 self.disk.store(prompt_ids, kv)
             finally:
                 self.pending_writes -= 1
@@ -550,6 +569,9 @@ class RankServer:
         if self.writer is not None:
             self.writer.shutdown(wait=linger_s is None)
             self.reader.shutdown(wait=False, cancel_futures=True)
+        # (a failing rank drops the hand-offs not yet queued; the sender is done either way
+        # before its sockets close)
+        self.sender.shutdown(wait=True, cancel_futures=linger_s is not None)
         self._send(Bye(self.rank))
         linger = None if linger_s is None else int(linger_s * 1000)
         for sock in self.kv_out.values():
