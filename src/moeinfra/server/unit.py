@@ -703,29 +703,36 @@ def run_unit(spec: UnitSpec, parent_pid: int | None = None) -> int:
 def _run_elastic(spec: UnitSpec, parent_pid: int | None) -> int:
     """The unit's ranks on this host under torch's elastic agent (see the module docstring)."""
     import signal
+    import tempfile
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     here = spec.local_ranks or spec.ranks
     hosts = spec.ranks // here
+    # the agent's folder for its ranks' error files, gone when the unit is (the ranks print
+    # their tracebacks to stderr themselves)
+    logs = tempfile.TemporaryDirectory(prefix="moeinfra-unit-")
     config = LaunchConfig(
         min_nodes=hosts,
         max_nodes=hosts,
         nproc_per_node=here,
         run_id=spec.unit_id,
         rdzv_backend="c10d",
-        # one host: a store on a port the agent binds and keeps (no free-port race)
+        # one host: the rendezvous store on a port the agent binds and keeps
         rdzv_endpoint=spec.rendezvous.removeprefix("tcp://") if spec.rendezvous else "127.0.0.1:0",
         rdzv_configs={"is_host": spec.node_rank == 0},
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
-    # A store of their own for the ranks of each start, which rank 0 hosts: on the agent's store
-    # (torch's default) the ranks of a start after a membership change read the addresses the
-    # previous start published (nothing names its keys by start) and fail to connect.
+    # A store of their own for the ranks of each start, which rank 0 hosts on a port its agent
+    # picked free (torchrun's way before the shared store; a port taken in between fails that
+    # start): on the agent's store, torch's default, the ranks of a start after a restart read
+    # the addresses the previous start published (nothing names their keys by start) and fail
+    # to connect.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if parent_pid is not None:  # the agent stops its ranks on SIGTERM
         _watch_parent(parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -742,4 +749,6 @@ def _run_elastic(spec: UnitSpec, parent_pid: int | None) -> int:
         return 1
     except SignalException as err:
         return 130 if err.sigval == signal.SIGINT else 1
+    finally:
+        logs.cleanup()
     return 1 if any(refusals.values()) else 0
