@@ -37,6 +37,8 @@ ROLES = ("prefill", "decode", "colocated")
 REPORT_S = 0.25
 #: seconds a rank waits for the API server to answer its hello before it says so on stderr
 WELCOME_WAIT_S = 10.0
+#: the longest an idle rank waits for messages while a prefix read from disk is under way
+READ_POLL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,8 @@ class RankServer:
         import zmq
 
         messages = []
+        if self.reading and timeout is not None:  # a read's request waits at most a millisecond
+            timeout = min(timeout, READ_POLL_S)
         events = dict(self.poller.poll(0 if timeout is None else timeout * 1000))
         messages += self._read_from_disk()
         while events:
