@@ -188,9 +188,9 @@ class EngineCore:
         self.load_window: deque[torch.Tensor] = deque(maxlen=self.config.eplb_window)
         self.stats: deque[StepStats] = deque(maxlen=4096)
         self.handoffs: list[Handoff] = []
-        # (prompt ids, prompt KV in host memory) of requests that ended at their first token,
-        # collected when set to a list (a unit writing them to its on-disk prefix cache)
-        self.ended_at_prefill: list[tuple[list[int], torch.Tensor]] | None = None
+        # (prompt ids, *prompt_kv) of requests that ended at their first token, collected when
+        # set to a list (a unit writing them to its on-disk prefix cache)
+        self.ended_at_prefill: list[tuple[list[int], torch.Tensor, object]] | None = None
         self._slot_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
         for layer in self.model.moe:
             layer.record_load = True
@@ -631,21 +631,21 @@ class EngineCore:
         self.cache.data[:, slots] = rows.to(self.device, self.cache.data.dtype)
         seq.preloaded = None
 
-    def prompt_kv(self, seq: Sequence) -> torch.Tensor:
-        """``[layers, prompt tokens, values]`` copy of ``seq``'s prompt KV from the cache, in host
-        memory (where a transfer or the on-disk cache takes it from)."""
-        return self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]].cpu()
+    def prompt_kv(self, seq: Sequence) -> tuple[torch.Tensor, object]:
+        """``([layers, prompt tokens, values]`` copy of ``seq``'s prompt KV in host memory (where
+        a transfer or the on-disk cache takes it from), the CUDA event its copy from the device
+        completes at (None: there already)): on a GPU the copy runs while the next step does."""
+        rows = self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]]  # (a copy)
+        if rows.device.type != "cuda":
+            return rows, None
+        kv = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        kv.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return kv, ready
 
     def _hand_off(self, seq: Sequence) -> None:
-        rows = self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]]  # (a copy)
-        ready = None
-        if rows.device.type == "cuda":  # to host memory while the next step runs
-            kv = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            kv.copy_(rows, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            kv = rows
+        kv, ready = self.prompt_kv(seq)
         self.handoffs.append(
             Handoff(
                 seq.request_id,
@@ -741,7 +741,7 @@ class EngineCore:
         if self.ended_at_prefill is not None and ended:
             # (lm-eval's loglikelihood requests end here: their shared contexts are worth keeping;
             # a hand-off's prompt is written where it is sent)
-            self.ended_at_prefill.append((seq.prompt_ids, self.prompt_kv(seq)))
+            self.ended_at_prefill.append((seq.prompt_ids, *self.prompt_kv(seq)))
         self.scheduler.finish(seq)
         self._slot_cache.pop(seq.seq_id, None)
         seq.finish_reason = reason

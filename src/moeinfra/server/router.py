@@ -176,6 +176,14 @@ class UnitState:
 RETRY_MARK = "~retry"
 
 
+def _replaced(unit_id: str) -> str:
+    """Why a rank of a unit's start that a newer start replaced is told to stop."""
+    return (
+        f"unit {unit_id} was started again elsewhere; this start stops (give each unit its own "
+        "--unit-id)"
+    )
+
+
 def _api_request_id(unit_request_id: str) -> str:
     return unit_request_id.split(RETRY_MARK, 1)[0]
 
@@ -445,21 +453,22 @@ class Router:
 
     # ------------------------------------------------------------------ messages
     def _send(self, rank: RankState, message) -> None:
+        self._send_to(rank.identity, message)
+
+    def _send_to(self, identity: bytes, message) -> None:
         if self.socket is None:
             return
         import zmq
 
         with contextlib.suppress(zmq.ZMQError):
-            self.socket.send_multipart([rank.identity, encode(message)], flags=zmq.NOBLOCK)
+            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
 
     def _rank_of(self, identity: bytes) -> RankState | None:
         """The rank whose socket identity (``unit/rank/incarnation``) this is."""
-        name = identity.decode(errors="replace")
-        for unit_id in (name.rsplit("/", 2)[0], name.rsplit("/", 1)[0]):
-            unit = self.units.get(unit_id)
-            if unit is not None:
-                return next((r for r in unit.ranks if r.identity == identity), None)
-        return None
+        unit = self.units.get(identity.decode(errors="replace").rsplit("/", 2)[0])
+        if unit is None:
+            return None
+        return next((r for r in unit.ranks if r.identity == identity), None)
 
     def _nudge(self, identity: bytes) -> None:
         """Answer a message from a rank the router does not take: a rank of a start that a newer
@@ -471,16 +480,10 @@ class Router:
         self._nudged[identity] = now
         if len(self._nudged) > 4096:  # identities of ranks long gone
             self._nudged = {k: t for k, t in self._nudged.items() if now - t < 60.0}
-        unit_id, _, incarnation = identity.decode(errors="replace").rpartition("/")
-        unit_id = unit_id.rpartition("/")[0]
-        if (unit_id, incarnation) in self.retired:
-            message = Shutdown(f"unit {unit_id} was started again elsewhere; this start stops")
-        else:
-            message = Rejoin()
-        import zmq
-
-        with contextlib.suppress(zmq.ZMQError):
-            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+        parts = identity.decode(errors="replace").rsplit("/", 2)  # unit/rank/incarnation
+        unit_id, incarnation = parts[0], parts[-1]
+        replaced = (unit_id, incarnation) in self.retired
+        self._send_to(identity, Shutdown(_replaced(unit_id)) if replaced else Rejoin())
 
     async def _receive_loop(self) -> None:
         while True:
@@ -546,7 +549,7 @@ class Router:
         if rank is None or not rank.unit.alive:
             unit = None if rank is None else rank.unit
             forgotten = unit is None or (unit.lost == "stopped reporting" and not unit.stopped)
-            if forgotten and not isinstance(message, Bye) and self.socket is not None:
+            if forgotten and not isinstance(message, Bye):
                 self._nudge(identity)
             if unit is not None and isinstance(message, Bye):
                 unit.alive = False
@@ -584,19 +587,16 @@ class Router:
     def _hello(self, identity: bytes, info: Hello) -> None:
         known = self.units.get(info.unit)
         if (info.unit, info.incarnation) in self.retired:
-            self._send(
-                RankState(known, info.rank, identity, None, 0),
-                Shutdown(f"unit {info.unit} was started again elsewhere; this start stops"),
-            )
+            self._send_to(identity, Shutdown(_replaced(info.unit)))
             return
         refused = self._refusal(info)
         if refused is not None:
             self.notes.append(f"unit {info.unit} {refused}; told to stop")
             if known is None or not known.alive:
-                known = self.expect_unit(info.unit, info.role, info.ranks)
-                known.alive = False
-            rank = RankState(known, info.rank, identity, None, 0)
-            self._send(rank, Shutdown(f"the API server refused unit {info.unit}: it {refused}"))
+                self.expect_unit(info.unit, info.role, info.ranks).alive = False
+            self._send_to(
+                identity, Shutdown(f"the API server refused unit {info.unit}: it {refused}")
+            )
             return
         if known is None:  # a unit started elsewhere joins
             unit = self.expect_unit(info.unit, info.role, info.ranks)
@@ -642,11 +642,7 @@ class Router:
         self.unit_lost(unit, why)
         if unit.incarnation:
             self.retired.add((unit.unit_id, unit.incarnation))
-        self._stop_unit(
-            unit,
-            f"unit {unit.unit_id} was started again elsewhere; this start stops (give each "
-            "unit its own --unit-id)",
-        )
+        self._stop_unit(unit, _replaced(unit.unit_id))
 
     def _refusal(self, info: Hello) -> str | None:
         """Why a rank's unit cannot join (another model, another drafting), or None."""

@@ -439,8 +439,8 @@ class RankServer:
             self._send(Failed(*self.send_failures.pop()))
         if self.core.ended_at_prefill:
             ended, self.core.ended_at_prefill = self.core.ended_at_prefill, []
-            for prompt_ids, kv in ended:
-                self._store(prompt_ids, kv)
+            for prompt_ids, kv, ready in ended:
+                self._store(prompt_ids, kv, ready)
         if self.core.steps != self.stepped:
             self.stepped = self.core.steps
             self.step_seconds.append(
