@@ -12,6 +12,8 @@ prompts.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -122,8 +124,10 @@ def test_fp8_linear_on_cuda_matches_the_dequantised_product(k, n):
     error = float((layer(x).float() - ref).norm() / ref.norm())
     print(f"FP8 linear k={k} n={n}: relative error {error:.4f}, {fp8_kernel(CUDA)}")
     assert error < AGREEMENT
-    fp8_gemm = torch.cuda.get_device_capability(CUDA) >= (9, 0) and k % 512 == 0
-    assert (error > 1e-3) == fp8_gemm  # the FP8 product rounds activations; the fallback does not
+    fp8_gemm = torch.cuda.get_device_capability(CUDA) >= (9, 0) and k % 512 == 0 and n % 128 == 0
+    # the FP8 product rounds activations to 3 mantissa bits (~2.5%); the fallback multiplies in
+    # bfloat16 (8 bits: ~0.2%)
+    assert (error > 1e-2) == fp8_gemm
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +208,43 @@ def test_server_unit_on_cuda_answers_openai_requests(tiny_path, prompt_ids, refe
         }
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["text"] == Tokenizer(tiny_path).decode(reference[1])
+    finally:
+        assert server.stop() == 0, "".join(server.log)
+
+
+def test_disaggregated_units_on_cuda_hand_off_and_write_the_disk_cache(
+    tiny_path, prompt_ids, reference_cuda, tmp_path
+):
+    """A prefill and a decode unit on the GPU: the prompt's KV leaves the card asynchronously
+    (pinned host memory, a CUDA event) to the decode unit and to the on-disk cache, and a
+    request ending at its first token writes its prompt's blocks too."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("zmq")
+    from moeinfra.server.process import ServerProcess
+
+    cache = tmp_path / "kvdisk"
+    server = ServerProcess(
+        ["--model", str(tiny_path), "--prefill-ranks", "1", "--decode-ranks", "1",
+         "--device", "cuda", "--dtype", "float32", "--kv-cache-dir", str(cache),
+         "--block-size", "4", "--num-kv-blocks", "256"]
+    )  # fmt: skip
+    try:
+        for i in (4, 7):
+            body = {"model": "tiny", "prompt": prompt_ids[i], "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            assert reply["choices"][0]["token_ids"] == reference_cuda[i]
+        written = set(cache.rglob("*.kv"))
+        assert written, "the hand-offs wrote no KV blocks to disk"
+        body = {"model": "tiny", "prompt": prompt_ids[1], "max_tokens": 1, "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["token_ids"] == reference_cuda[1][:1]
+        deadline = time.monotonic() + 10
+        while set(cache.rglob("*.kv")) == written:
+            assert time.monotonic() < deadline, "a request ending at prefill wrote no blocks"
+            time.sleep(0.1)
     finally:
         assert server.stop() == 0, "".join(server.log)
 
