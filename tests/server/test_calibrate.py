@@ -61,6 +61,9 @@ def test_live_calibration_fits_and_validates(calibration):
     assert calibration.model.hidden == 64 and calibration.model.num_layers == 3
     assert calibration.kv_tokens_per_gpu == 256 * 16
     assert 0 <= calibration.factors["request_overhead_s"] < 0.5
+    # and under its steady traffic, at the output tokens a second that traffic offered
+    assert 0 <= calibration.factors["request_overhead_loaded_s"] < 0.5
+    assert calibration.factors["overhead_load_tokens_per_s"] > 0
     # like prefill steps vary on a shared host: their spread is measured, around a median of 1
     jitter = calibration.prefill_step_jitter
     assert len(jitter) == 101 and jitter[0] < 1.0 < jitter[-1] and 0.8 < jitter[50] < 1.25
@@ -166,25 +169,55 @@ def test_request_overhead_under_load_is_what_the_simulated_first_tokens_lack():
 
     from moeinfra.server.calibrate import (
         request_overhead_under_load,
+        requests_workload,
         simulated_ttft,
         steady_load,
     )
 
     cal = load_calibration("deepseek-h800")
     load = steady_load(1000, 512, rate=20.0, seed=0, requests=64)
-    bare = simulated_ttft(cal, load, [0] * len(load), 1, 1)
+    workload = requests_workload(load, [0] * len(load))
+    bare = simulated_ttft(cal, workload, 1, 1)
     live = [
         bench.BenchResult(r.arrival_s, len(r.prompt_ids), ttft_s=float(np.median(bare)) + d)
         for r, d in zip(load, np.linspace(0.010, 0.030, len(load)), strict=True)
     ]
-    overhead = request_overhead_under_load(cal, load, live, 1, 1)
-    assert overhead == pytest.approx(0.020, abs=1e-3)
-    # with it in force, the simulator's median first token is the live median
-    with_it = replace(cal, factors=cal.factors | {"request_overhead_s": overhead})
-    simulated = simulated_ttft(with_it, load, [0] * len(load), 1, 1)
+    measured = request_overhead_under_load(cal, load, live, 1, 1)
+    assert measured["request_overhead_loaded_s"] == pytest.approx(0.020, abs=1e-3)
+    span = load[-1].arrival_s - load[0].arrival_s + 1.0
+    tokens_per_s = sum(r.max_tokens for r in load) / span
+    assert measured["overhead_load_tokens_per_s"] == pytest.approx(tokens_per_s)
+    # with it in force (and 5 ms on prompts sent alone), the simulator's median first token at
+    # the same load is the live median
+    with_it = replace(cal, factors=cal.factors | {"request_overhead_s": 0.005} | measured)
+    simulated = simulated_ttft(with_it, workload, 1, 1)
     assert float(np.median(simulated)) == pytest.approx(
         np.median([r.ttft_s for r in live]), abs=2e-3
     )
     # a server faster than its own steps adds nothing (never a negative overhead)
     fast = [replace(r, ttft_s=0.5 * float(np.median(bare))) for r in live]
-    assert request_overhead_under_load(cal, load, fast, 1, 1) == 0.0
+    assert request_overhead_under_load(cal, load, fast, 1, 1)["request_overhead_loaded_s"] == 0.0
+
+
+def test_request_overhead_grows_with_the_load_up_to_the_one_measured_under_traffic(tmp_path):
+    from dataclasses import replace
+
+    cal = load_calibration("deepseek-h800")
+    assert cal.at_load(1e6) is cal  # no loaded figure: its one overhead
+    measured = {
+        "request_overhead_s": 0.004,
+        "request_overhead_loaded_s": 0.012,
+        "overhead_load_tokens_per_s": 800.0,
+    }
+    loaded = replace(cal, factors=cal.factors | measured)
+
+    def at(tokens_per_s):
+        return loaded.at_load(tokens_per_s).factors["request_overhead_s"]
+
+    assert at(0.0) == pytest.approx(0.004)
+    assert at(200.0) == pytest.approx(0.006)
+    assert at(800.0) == pytest.approx(0.012)
+    assert at(8000.0) == pytest.approx(0.012)  # never extrapolated past what was measured
+    assert loaded.efficiency().request_overhead_s == pytest.approx(0.004)
+    loaded.save(tmp_path / "c.json")
+    assert load_calibration(str(tmp_path / "c.json")).factors == loaded.factors

@@ -308,12 +308,10 @@ def calibrate_live(
     failed = [r.error for r in steady_results if r.error]
     if failed:
         raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
-    colocated = any(u["role"] == "colocated" for u in units)
-    if colocated:
-        seen = _last_steps(asyncio.run(_get_steps(url)))
-        alone = asyncio.run(
-            _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
-        )
+    seen = _last_steps(asyncio.run(_get_steps(url)))
+    alone = asyncio.run(
+        _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
+    )
     info = asyncio.run(_get_steps(url))
     points = step_points(info["units"])
     ranks_per_unit = ranks.pop()
@@ -343,13 +341,12 @@ def calibrate_live(
     calibration = replace(
         calibration, prefill_step_jitter=jitter_quantiles(prefill_step_spread(info["units"]))
     )
-    if colocated:
-        overhead = request_overhead(alone, _prefill_seconds(info, after=seen))
-    else:
-        overhead = request_overhead_under_load(
+    overhead = {"request_overhead_s": request_overhead(alone, _prefill_seconds(info, after=seen))}
+    if not any(u["role"] == "colocated" for u in units):
+        overhead |= request_overhead_under_load(
             calibration, steady, steady_results, len(prefill), len(decode)
         )
-    return replace(calibration, factors=calibration.factors | {"request_overhead_s": overhead})
+    return replace(calibration, factors=calibration.factors | overhead)
 
 
 async def _one_at_a_time(url: str, prompts: list[list[int]]) -> list[float | None]:
@@ -407,37 +404,32 @@ def request_overhead_under_load(
     results,
     prefill_units: int,
     decode_units: int,
-) -> float:
-    """A request's time outside the engine steps while the server serves traffic: the median
-    time to first token of ``requests`` (sent as a replay, measured as ``results``) less the
-    median the calibrated simulator gives them with no such time (>= 0). Measured under load, not
-    on prompts sent alone: there the API server and the client have the cores to themselves,
-    while under traffic they stream other requests' tokens on the cores the units compute on."""
+) -> dict[str, float]:
+    """A request's time outside the engine steps while the server serves traffic
+    (``request_overhead_loaded_s``): the median time to first token of ``requests`` (sent as a
+    replay, measured as ``results``) less the median the calibrated simulator gives them with no
+    such time (>= 0); and the output tokens a second they offered (``overhead_load_tokens_per_s``).
+    Longer than on prompts sent alone: under traffic the API server and the client stream other
+    requests' tokens on the cores the units compute on (:meth:`Calibration.at_load`)."""
     live = [r.ttft_s for r in results if r.ttft_s is not None]
     if not live:
-        return 0.0
+        return {}
     bare = replace(calibration, factors=calibration.factors | {"request_overhead_s": 0.0})
     cached = [r.cached_tokens for r in results]
-    simulated = simulated_ttft(bare, requests, cached, prefill_units, decode_units)
-    return max(float(np.median(live) - np.median(simulated)), 0.0)
+    workload = requests_workload(requests, cached)
+    simulated = simulated_ttft(bare, workload, prefill_units, decode_units)
+    return {
+        "request_overhead_loaded_s": max(float(np.median(live) - np.median(simulated)), 0.0),
+        "overhead_load_tokens_per_s": workload.output_tokens_per_s,
+    }
 
 
-def simulated_ttft(
-    calibration: Calibration,
-    requests: list[BenchRequest],
-    cached_tokens: list[int],
-    prefill_units: int,
-    decode_units: int,
-    trials: int = 8,
-) -> np.ndarray:
-    """Times to first token of ``requests`` (arrivals and lengths as sent) on ``prefill_units``
-    and ``decode_units`` units under ``calibration``; with a step-time spread, ``trials`` draws
-    pooled."""
-    from moeinfra.serving.simulate import COMPLETED
+def requests_workload(requests: list[BenchRequest], cached_tokens: list[int]):
+    """``requests`` (arrivals and lengths as sent, ``cached_tokens`` as served) as a workload."""
     from moeinfra.serving.workload import Workload
 
     arrival = np.array([r.arrival_s for r in requests])
-    workload = Workload(
+    return Workload(
         arrival_s=arrival - arrival.min(),
         input_tokens=np.array([len(r.prompt_ids) for r in requests], dtype=np.int64),
         output_tokens=np.array([r.max_tokens for r in requests], dtype=np.int64),
@@ -445,6 +437,16 @@ def simulated_ttft(
         duration_s=float(np.ptp(arrival)) + 1.0,
         name="requests sent",
     )
+
+
+def simulated_ttft(
+    calibration: Calibration, workload, prefill_units: int, decode_units: int, trials: int = 8
+) -> np.ndarray:
+    """Times to first token of ``workload`` (:func:`requests_workload`) on ``prefill_units``
+    and ``decode_units`` units under ``calibration``; with a step-time spread, ``trials`` draws
+    pooled."""
+    from moeinfra.serving.simulate import COMPLETED
+
     runs = _simulated_replays(workload, calibration, prefill_units, decode_units, 0.005, trials)
     return np.concatenate([r.ttft_s[r.status == COMPLETED] for r in runs])
 

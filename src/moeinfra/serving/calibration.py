@@ -47,8 +47,12 @@ FACTORS = (
 #: wait, which a fit tells apart from the all-to-all multiplier only across unit shapes and batches
 #: that few measurement sets have (a measurements file frees it by naming it).
 DEFAULT_FREE = tuple(f for f in FACTORS if f != "ll_wait_s")
-#: Measured directly rather than fitted: a live server's time outside its units per request.
-MEASURED = ("request_overhead_s",)
+#: Measured directly rather than fitted: a live server's time outside its units per request, on
+#: prompts sent alone (``request_overhead_s``) and under its own steady traffic
+#: (``request_overhead_loaded_s``, while the workload offered ``overhead_load_tokens_per_s``
+#: output tokens a second: the API server streams each as an event, on the cores the units use).
+LOADED_OVERHEAD = ("request_overhead_loaded_s", "overhead_load_tokens_per_s")
+MEASURED = ("request_overhead_s", *LOADED_OVERHEAD)
 BOUNDS = {
     "gemm_time": (1e-3, 1e5),
     "attention_time": (1e-3, 1e5),
@@ -169,9 +173,25 @@ class Calibration:
             )
         return replace(self, model=model)
 
-    def efficiency(self) -> Efficiency:
+    def at_load(self, output_tokens_per_s: float) -> Calibration:
+        """This calibration with its request overhead at a workload offering
+        ``output_tokens_per_s`` to one API server: the overhead measured on prompts sent alone
+        plus the extra measured under the calibration's traffic, in proportion to the output
+        tokens a second streamed (the API server's work grows with them), never more than
+        measured (a calibration without the loaded figure: its one overhead)."""
+        loaded, load = (self.factors.get(k) for k in LOADED_OVERHEAD)
+        if not loaded or not load:
+            return self
+        share = min(max(output_tokens_per_s, 0.0) / load, 1.0)
+        alone = self.factors.get("request_overhead_s", 0.0)
         return replace(
-            efficiency_with(self.factors, self.gemm_table),
+            self, factors=self.factors | {"request_overhead_s": alone + (loaded - alone) * share}
+        )
+
+    def efficiency(self) -> Efficiency:
+        factors = {k: v for k, v in self.factors.items() if k not in LOADED_OVERHEAD}
+        return replace(
+            efficiency_with(factors, self.gemm_table),
             prefill_step_jitter=self.prefill_step_jitter,
         )
 

@@ -372,6 +372,7 @@ def plan_capacity(
         hw = replace(calibration.hardware, gpu_hour_usd=hw.gpu_hour_usd)
         if model is not None:
             calibration = calibration.with_model(model)
+        calibration = calibration.at_load(workload.output_tokens_per_s)
         model, eff, kv = calibration.model, calibration.efficiency(), calibration.kv_tokens_per_gpu
     model = model or DEEPSEEK_V3
     shapes = candidate_shapes(gpus_per_node=hw.gpus_per_node) if shapes is None else shapes

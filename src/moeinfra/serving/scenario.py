@@ -255,6 +255,10 @@ def build_scenario(
         raise InputError(f"balancer={balancer!r} must be 'deepseek' or 'baseline'")
     if name not in SCENARIOS:
         raise InputError(f"scenario={name!r} is not one of {', '.join(SCENARIOS)}")
+    if workload is None:
+        if hours is not None and not 0 < hours <= 24:
+            raise InputError(f"hours={hours} must be in (0, 24]")
+        workload = deepseek_day(scale=scale, seed=seed, hours=hours, demand_scale=demand_scale)
     k_prefill, k_decode = time_scale
     if calibration is None:
         hw = priced_hardware(hardware_name, gpu_hour_usd)
@@ -295,6 +299,7 @@ def build_scenario(
             )
         if model is not None:
             calibration = calibration.with_model(model)
+        calibration = calibration.at_load(workload.output_tokens_per_s)
         units = calibration.units
         prefill = calibration.perf_model(
             prefill_dep or units.get("prefill") or deepseek_prefill_unit(), k_prefill
@@ -304,10 +309,6 @@ def build_scenario(
         )
     for unit in (prefill, decode):
         unit.check_fits()
-    if workload is None:
-        if hours is not None and not 0 < hours <= 24:
-            raise InputError(f"hours={hours} must be in (0, 24]")
-        workload = deepseek_day(scale=scale, seed=seed, hours=hours, demand_scale=demand_scale)
     fleet = fleet or ("deepseek" if workload.name == "deepseek-v3-day" else "auto")
     sizing = {"target": target, "slo_tpot_s": slo_tpot_s, "slo_ttft_s": slo_ttft_s, "block": block}
     given = ", ".join(f"{k}={v!r}" for k, v in sizing.items() if v is not None)

@@ -133,6 +133,12 @@ class Workload:
             r: int(self.refused_s[r].size) if r in self.refused_s else 0 for r in REFUSED_REASONS
         }
 
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Real-scale output tokens a second over the window: what an API server in front of the
+        fleet streams."""
+        return self.scale * float(self.output_tokens.sum()) / self.duration_s
+
     def totals(self) -> dict[str, float | int]:
         """Real-scale requests and tokens to serve (integers: ``scale`` x the sampled sums,
         rounded once), the requests refused before serving, and the mean KV length per output
