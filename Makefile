@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# the Mooncake KV connector's import needs libibverbs.so.1 (also over TCP): installed where
+	@# this user may, else its tests are skipped
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && { apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; } >/dev/null 2>&1; } \
+	  || echo "note: no libibverbs.so.1 (apt-get install libibverbs1): the Mooncake connector's tests will be skipped"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -46,6 +46,7 @@ SPANNING = ["--ranks", "4", "--nproc-per-node", "2"]  # a unit over two hosts
         (["serve", "calibrate", "--measurements", "missing.json"], "--measurements="),
         (["serve", "model", "--calibration", "missing.json"], "--calibration=missing.json"),
         (["serve", "simulate", "--calibration", "none", "--tick", "0s"], "--tick='0s'"),
+        (["serve", "up", "--kv-connector", "nixl"], "--kv-connector='nixl'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, names):

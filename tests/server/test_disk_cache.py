@@ -82,6 +82,34 @@ def test_byte_cap_evicts_least_recently_used_blocks(tmp_path):
     assert cache.stats.evicted_blocks == 3
 
 
+def test_eviction_of_a_large_cache_reads_the_times_of_a_sample_only(tmp_path, monkeypatch):
+    """A cache past EVICT_SAMPLE_MIN blocks reads EVICT_SAMPLE times per block it deletes, not
+    every file's, and deletes the oldest of that sample."""
+    from moeinfra.engine.kv_blocks import block_hashes
+    from moeinfra.server import disk_cache
+
+    monkeypatch.setattr(disk_cache, "EVICT_SAMPLE_MIN", 64)
+    writer = _cache(tmp_path)
+    old, newer = list(range(800)), list(range(10_000, 10_800))  # 200 blocks each
+    writer.store(old, _kv(800))
+    time.sleep(0.02)
+    writer.store(newer, _kv(800))
+    cache = _cache(tmp_path, capacity=writer.file_bytes * 400)
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(disk_cache.os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p))
+    assert cache.evict() == 40  # 400 blocks, down to 90% of the cap
+    monkeypatch.undo()
+    assert len(stats) == 4 * 40  # of 400 files
+
+    def present(ids):
+        return sum(cache._path(d).exists() for d in block_hashes(ids, BS))
+
+    # the sample holds ~80 of the older prompt's blocks, all older than the other's: 40 go
+    assert present(old) == 160 and present(newer) == 200
+    assert int((cache.dir / disk_cache.LEDGER).read_text()) == cache.size_bytes
+
+
 def test_eviction_within_one_prompt_takes_the_tail_first(tmp_path):
     probe = _cache(tmp_path)
     cache = _cache(tmp_path, capacity=probe.file_bytes * 2)

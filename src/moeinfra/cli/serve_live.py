@@ -131,6 +131,13 @@ _SECRET = typer.Option(
     "KV sockets then admit only peers with the same secret and encrypt what they carry (CurveZMQ). "
     "Needed to bind them beyond loopback.",
 )
+_CONNECTOR = typer.Option(
+    "zmq",
+    "--kv-connector",
+    help="How a prompt's KV blocks reach the decode unit: zmq (frames behind the hand-off "
+    "message), mooncake or mooncake-rdma (read by the decode rank through the Mooncake Transfer "
+    "Engine; pip install 'moeinfra[mooncake]'). Prefill and decode units use the same one.",
+)
 _INSECURE = typer.Option(
     False,
     "--insecure",
@@ -171,8 +178,12 @@ def register(app: typer.Typer) -> None:
             "on other machines).",
         ),
         kv_host: str = typer.Option(
-            "127.0.0.1", "--kv-host", help="Address local decode ranks receive KV on."
+            "127.0.0.1",
+            "--kv-host",
+            help="Address local decode ranks receive KV on (and, with --kv-connector mooncake, "
+            "prefill ranks lend it from).",
         ),
+        kv_connector: str = _CONNECTOR,
         kv_cache_dir: Path | None = typer.Option(
             None, "--kv-cache-dir", help="On-disk prefix KV cache shared by prefill units."
         ),
@@ -331,6 +342,7 @@ def register(app: typer.Typer) -> None:
             **layout,
             control=control,
             kv_host=kv_host,
+            kv_connector=kv_connector,
             kv_cache_dir=kv_cache_dir,
             kv_cache_bytes=kv_cache_bytes,
             engine=_engine_config(
@@ -379,9 +391,10 @@ def register(app: typer.Typer) -> None:
         kv_host: str | None = typer.Option(
             None,
             "--kv-host",
-            help="This host's address for incoming KV (decode). Default: its address on the "
-            "route to --server.",
+            help="This host's address for incoming KV (decode; prefill with --kv-connector "
+            "mooncake: where decode ranks read it). Default: its address on the route to --server.",
         ),
+        kv_connector: str = _CONNECTOR,
         kv_cache_dir: Path | None = typer.Option(None, "--kv-cache-dir"),
         kv_cache_bytes: int = _CACHE_BYTES,
         unit_id: str | None = typer.Option(None, "--unit-id", help="Default: role-random."),
@@ -450,7 +463,13 @@ def register(app: typer.Typer) -> None:
         from moeinfra.server.unit import address_toward, check_drafting
 
         keys = read_secret(input_file(secret_file, "--secret-file")) if secret_file else None
-        if role == "decode" and kv_host is not None:
+        from moeinfra.server.kv_connector import check_connector
+
+        check_connector(kv_connector, secret_file)
+        # peers on other hosts reach this host's KV address: decode ranks take hand-offs there,
+        # prefill ranks lend their blocks there to a connector that reads them
+        kv_served = role == "decode" or (role == "prefill" and kv_connector != "zmq")
+        if kv_served and kv_host is not None:
             check_exposure({"--kv-host": kv_host}, keys, insecure)
         here = ranks if nproc_per_node is None else nproc_per_node
         rendezvous = _rendezvous(ranks, here, node_rank, master_addr, master_port, unit_id)
@@ -473,8 +492,8 @@ def register(app: typer.Typer) -> None:
             speculative_tokens,
         )
         check_drafting(model_dir, engine.num_speculative_tokens)
-        if role == "decode" and kv_host is None:
-            # prefill ranks on other hosts push KV here: a loopback address would be their own
+        if kv_served and kv_host is None:
+            # ranks on other hosts reach this one's KV: a loopback address would be their own
             kv_host = address_toward(server)
             check_exposure({"--kv-host": kv_host}, keys, insecure)
         spec = UnitSpec(
@@ -485,6 +504,7 @@ def register(app: typer.Typer) -> None:
             model_dir=str(model_dir),
             engine=engine,
             kv_host=kv_host or "127.0.0.1",
+            kv_connector=kv_connector,
             disk_cache_dir=str(kv_cache_dir) if kv_cache_dir else None,
             disk_cache_bytes=kv_cache_bytes,
             comm_delay_s=comm_delay_s,

@@ -278,6 +278,7 @@ def create_app(
                 "device": u.ranks[0].info.device if u.ranks else None,
                 "dtype": u.ranks[0].info.dtype if u.ranks else None,
                 "speculative_tokens": u.ranks[0].info.num_speculative_tokens if u.ranks else None,
+                "kv_connector": u.ranks[0].info.kv_connector if u.ranks else None,
             }
             for u in router.units.values()
             if u.alive

@@ -15,8 +15,13 @@ its tail, and a tail is useless without its head).
 One byte cap holds for every writer: the namespace's bytes are counted in a ledger file
 (``.bytes``) that each writer updates under an exclusive ``flock`` (NFSv4 and local file systems
 lock it across hosts). The writer whose blocks pass the cap evicts, still holding the lock, the
-least recently used blocks down to 90% of it and writes the recount: one directory listing per
-tenth of the cap written, whoever wrote it, not one per writer.
+least recently used blocks down to 90% of it: one directory listing (names only) per tenth of the
+cap written, whoever wrote it. Every block of a namespace has one size, so the ledger counts
+blocks without a ``stat``; eviction reads the times of a random sample of
+:data:`EVICT_SAMPLE` files per block it must delete (at least :data:`EVICT_SAMPLE_MIN`: a small
+cache is exact LRU) and deletes the oldest of them, an approximate LRU as Redis's
+``maxmemory-samples`` (a ``stat`` is a round trip on NFS or 3FS, and a large cache holds millions
+of blocks).
 
 A unit that drafts with the MTP layer caches one more layer (a namespace of its own), whose entry
 at a block's last position depends on the token after the block. So, as the engine's in-memory
@@ -31,6 +36,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import random
 import secrets
 import socket
 import struct
@@ -48,6 +54,8 @@ from moeinfra.engine.sequence import Preloaded
 from moeinfra.errors import InputError
 
 MAGIC = b"MOEKV001"
+#: files whose times an eviction reads per block it deletes, and at least
+EVICT_SAMPLE, EVICT_SAMPLE_MIN = 4, 1024
 _HEADER = struct.Struct("<8sI")
 
 
@@ -137,8 +145,15 @@ class DiskKVCache:
         name = digest.hex()
         return self.dir / name[:2] / f"{name}.kv"
 
-    def _scan_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.glob("*/*.kv"))
+    def _block_names(self) -> list[str]:
+        """Every block file's path (names only: no ``stat``)."""
+        names = []
+        with contextlib.suppress(OSError), os.scandir(self.dir) as top:
+            for sub in top:
+                if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError), os.scandir(sub.path) as inner:
+                        names += [e.path for e in inner if e.name.endswith(".kv")]
+        return names
 
     def cached_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens a lookup would find (files present; contents not read)."""
@@ -231,7 +246,7 @@ class DiskKVCache:
             fcntl.flock(f, fcntl.LOCK_EX)
             f.seek(0)
             text = f.read().strip()
-            total = [int(text) if text.isdigit() else self._scan_bytes()]
+            total = [int(text) if text.isdigit() else len(self._block_names()) * self.file_bytes]
             yield total
             f.seek(0)
             f.truncate()
@@ -255,27 +270,29 @@ class DiskKVCache:
         return self.stats.evicted_blocks - before
 
     def _evict(self) -> int:
-        """:meth:`evict` with the ledger held; returns the bytes left."""
-        files = []
-        for p in self.dir.glob("*/*.kv"):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime_ns, st.st_size, p))
-        total = sum(size for _, size, _ in files)
-        goal = int(self.capacity_bytes * 0.9)
+        """:meth:`evict` with the ledger held; returns the bytes left (recounted from the
+        listing: what other writers or a lost ledger left is counted again)."""
+        names = self._block_names()
+        total = len(names) * self.file_bytes
+        excess = -(-(total - int(self.capacity_bytes * 0.9)) // self.file_bytes)
+        if excess <= 0:
+            return total
+        sample = max(EVICT_SAMPLE * excess, EVICT_SAMPLE_MIN)
+        if sample < len(names):
+            names = random.sample(names, sample)
+        stamped = []
+        for name in names:
+            with contextlib.suppress(OSError):
+                stamped.append((os.stat(name).st_mtime_ns, name))
         deleted = 0
-        for _, size, p in sorted(files, key=lambda f: f[0]):
-            if total <= goal:
-                break
-            p.unlink(missing_ok=True)
-            total -= size
-            deleted += 1
+        for _, name in sorted(stamped)[:excess]:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+                deleted += 1
         self.stats.evicted_blocks += deleted
-        return total
+        return total - deleted * self.file_bytes
 
     @property
     def size_bytes(self) -> int:
         """Bytes of blocks in the directory now."""
-        return self._scan_bytes()
+        return sum(p.stat().st_size for p in self.dir.glob("*/*.kv"))

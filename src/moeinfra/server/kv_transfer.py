@@ -55,36 +55,69 @@ class Arrival:
     drafts: list[int] = field(default_factory=list)
 
 
-def pack(handoff: Handoff, block_size: int) -> list:
-    """Frames of one hand-off (the KV frames share the tensor's memory)."""
-    kv = handoff.kv.contiguous()
-    layers, tokens, values = kv.shape
+def blocks_of(kv: torch.Tensor, block_size: int) -> list[np.ndarray]:
+    """``kv [layers, tokens, values]`` as blocks ``[layers, <= block_size tokens, bytes]``, each
+    contiguous."""
+    kv = kv.contiguous()
+    layers, tokens, _ = kv.shape
     raw = kv.view(torch.uint8).numpy().reshape(layers, tokens, -1)
-    blocks = [
-        np.ascontiguousarray(raw[:, s : s + block_size]) for s in range(0, tokens, block_size)
-    ]
-    header = KVHeader(
+    return [np.ascontiguousarray(raw[:, s : s + block_size]) for s in range(0, tokens, block_size)]
+
+
+def header_of(
+    handoff: Handoff, blocks: list[np.ndarray], block_size: int, source: str = "", address: int = 0
+) -> KVHeader:
+    """The header of ``handoff`` sent as ``blocks`` (``source``/``address``: where the decode rank
+    reads them, see :class:`KVHeader`)."""
+    return KVHeader(
         request_id=handoff.request_id,
         prompt_ids=handoff.prompt_ids,
         output_ids=handoff.output_ids,
         params=handoff.params,
         num_cached_tokens=handoff.num_cached_tokens,
         drafts=[int(t) for t in handoff.drafts],
-        shape=(layers, tokens, values),
-        dtype=str(kv.dtype),
+        shape=tuple(handoff.kv.shape),
+        dtype=str(handoff.kv.dtype),
         block_size=block_size,
         crc32=[zlib.crc32(b) for b in blocks],
+        source=source,
+        address=address,
     )
-    return [encode(header), *blocks]
+
+
+def pack(handoff: Handoff, block_size: int) -> list:
+    """Frames of one hand-off whose blocks travel with it."""
+    blocks = blocks_of(handoff.kv, block_size)
+    return [encode(header_of(handoff, blocks, block_size)), *blocks]
+
+
+def block_bytes(header: KVHeader) -> list[int]:
+    """The size in bytes of each of ``header``'s blocks."""
+    layers, tokens, values = header.shape
+    row = layers * values * torch.empty(0, dtype=_dtype(header)).element_size()
+    bs = max(header.block_size, 1)
+    return [row * min(bs, tokens - s) for s in range(0, max(tokens, 0), bs)]
+
+
+def _dtype(header: KVHeader) -> torch.dtype:
+    dtype = getattr(torch, header.dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(header.request_id, f"unknown KV dtype {header.dtype!r}")
+    return dtype
 
 
 def unpack(frames: list, layers: int, values: int, dtype: torch.dtype) -> Arrival:
     """Verify and decode a hand-off received as ``frames`` (bytes-like); raises
     :class:`~moeinfra.server.messages.BadFrame` when the first frame is no header, and
     :class:`TransferError` naming the request and what was wrong with the rest."""
-    header = decode_kv_header(frames[0])
+    return verify(decode_kv_header(frames[0]), frames[1:], layers, values, dtype)
+
+
+def verify(header: KVHeader, blocks: list, layers: int, values: int, dtype: torch.dtype) -> Arrival:
+    """The arrival of ``header``'s hand-off from its ``blocks`` (bytes-like), checked against this
+    unit's cache layout (``layers``, ``values``, ``dtype``): :class:`TransferError` naming the
+    request and what was wrong."""
     rid = header.request_id
-    blocks = frames[1:]
     shape, bs = header.shape, header.block_size
     if shape[0] != layers or shape[2] != values or header.dtype != str(dtype):
         raise TransferError(

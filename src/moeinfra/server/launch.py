@@ -99,6 +99,7 @@ class ServeOptions:
     colocated_ranks: int = 2
     control: str = "tcp://127.0.0.1:0"
     kv_host: str = "127.0.0.1"
+    kv_connector: str = "zmq"  # how prefill units' KV blocks reach decode units (CONNECTORS)
     kv_cache_dir: Path | None = None
     kv_cache_bytes: int = 1 << 30
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -139,6 +140,9 @@ class ServeOptions:
             raise InputError(f"--cpu-threads={self.cpu_threads} must be >= 1")
         if self.max_request_bytes < 1:
             raise InputError(f"--max-request-bytes={self.max_request_bytes} must be >= 1")
+        from moeinfra.server.kv_connector import check_connector
+
+        check_connector(self.kv_connector, self.secret_file)
         from moeinfra.server.metrics import NAME_SETS
 
         if self.metric_names not in NAME_SETS:
@@ -207,7 +211,7 @@ def unit_command(
     """The ``moeinfra serve unit`` command line of a unit (what runs on another host, too)."""
     cmd = [sys.executable, "-m", "moeinfra.cli", "serve", "unit"]
     cmd += ["--server", server, "--role", role, "--ranks", str(ranks), "--model", str(model_dir)]
-    cmd += ["--kv-host", options.kv_host]
+    cmd += ["--kv-host", options.kv_host, "--kv-connector", options.kv_connector]
     if unit_id:
         cmd += ["--unit-id", unit_id]
     if parent_pid:

@@ -51,7 +51,14 @@ class Rejoin(msgspec.Struct, tag="rejoin"):
     say hello again."""
 
 
-ToRank = Add | Abort | Welcome | Shutdown | Rejoin
+class Release(msgspec.Struct, tag="release"):
+    """The decode rank took (or will never take) a request's hand-off: a prefill rank that lent
+    its blocks to a connector reading them remotely (Mooncake) frees them."""
+
+    request_id: str
+
+
+ToRank = Add | Abort | Welcome | Shutdown | Rejoin | Release
 
 
 # ---------------------------------------------------------------- unit rank -> API server
@@ -79,6 +86,7 @@ class Hello(msgspec.Struct, tag="hello"):
     dtype: str = ""
     device: str = ""
     incarnation: str = ""
+    kv_connector: str = ""  # how its KV blocks move (prefill and decode ranks)
 
 
 class Outputs(msgspec.Struct, tag="out"):
@@ -141,7 +149,7 @@ ToRouter = Hello | Outputs | State | Received | Failed | Bye
 # ---------------------------------------------------------------- prefill rank -> decode rank
 class KVHeader(msgspec.Struct):
     """The first frame of a KV hand-off: the request, its first tokens and drafts, and the
-    layout and CRC-32 of each block frame that follows."""
+    layout and CRC-32 of each block (the frames that follow, or where to read them)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -153,6 +161,10 @@ class KVHeader(msgspec.Struct):
     dtype: str
     block_size: int
     crc32: list[int]
+    # blocks the decode rank reads itself (Mooncake): the prefill rank's transfer-engine session
+    # (host:port) and the address of its blocks there, back to back; empty: the frames that follow
+    source: str = ""
+    address: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

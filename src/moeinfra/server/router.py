@@ -44,6 +44,7 @@ from moeinfra.server.messages import (
     Outputs,
     Received,
     Rejoin,
+    Release,
     Shutdown,
     State,
     Welcome,
@@ -574,6 +575,9 @@ class Router:
             tracked = self._current(message.request_id)
             if tracked is not None and rank is tracked.decode:
                 tracked.received, tracked.handoff_deadline = True, None
+                if tracked.prefill is not None and tracked.prefill is not rank:
+                    # (blocks lent to a connector that reads them remotely may go)
+                    self._send(tracked.prefill, Release(message.request_id))
         elif isinstance(message, Failed):
             tracked = self._current(message.request_id)
             if tracked is not None:

@@ -52,6 +52,7 @@ class UnitSpec:
     model_dir: str
     engine: object  # EngineConfig
     kv_host: str = "127.0.0.1"  # address decode ranks bind their KV socket on
+    kv_connector: str = "zmq"  # how KV blocks move (moeinfra.server.kv_connector.CONNECTORS)
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 1 << 30
     comm_delay_s: float = 0.0
@@ -217,6 +218,16 @@ class RankServer:
             self.kv_address = f"tcp://{spec.kv_host}:{port}"
             self.poller.register(self.kv_in, zmq.POLLIN)
         self.kv_out: dict[str, object] = {}  # (the sender thread's sockets)
+        self.connector = None
+        if spec.role != "colocated":
+            from moeinfra.server.kv_connector import make_connector
+
+            self.connector = make_connector(spec.kv_connector, spec.kv_host)
+        # blocks a decode rank reads from the prefill rank itself run on a thread of their own:
+        # request id -> (the read, its header)
+        reads = spec.role == "decode" and self.connector.reads
+        self.fetcher = ThreadPoolExecutor(1) if reads else None
+        self.fetching: dict[str, tuple[Future, object]] = {}
         # hand-offs are framed, check-summed and queued on a thread of their own: the next
         # step does not wait for the previous one's (its KV was copied out of the cache)
         self.sender = ThreadPoolExecutor(1)
@@ -266,6 +277,7 @@ class RankServer:
                 dtype=str(core.dtype).removeprefix("torch."),
                 device=str(core.device),
                 incarnation=self.incarnation,
+                kv_connector=self.connector.name if self.connector is not None else "",
             )
         )
         self.hello_at = time.monotonic()
@@ -287,6 +299,7 @@ class RankServer:
         for request_id in list(self.core.requests):
             self.core.abort(request_id)
         self.reading.clear()
+        self.fetching.clear()
         self.welcomed = self.warned = False
         self.hello()
 
@@ -295,10 +308,12 @@ class RankServer:
         import zmq
 
         messages = []
-        if self.reading and timeout is not None:  # a read's request waits at most a millisecond
+        # a request whose blocks are being read waits at most a millisecond
+        if (self.reading or self.fetching) and timeout is not None:
             timeout = min(timeout, READ_POLL_S)
         events = dict(self.poller.poll(0 if timeout is None else timeout * 1000))
         messages += self._read_from_disk()
+        messages += self._fetched()
         while events:
             if self.control in events:
                 while True:
@@ -331,6 +346,13 @@ class RankServer:
             added.append(add)
         return added
 
+    def _fetched(self) -> list[tuple]:
+        """``("fetched", header, read)`` of every hand-off whose blocks were read."""
+        done = [(rid, read) for rid, read in self.fetching.items() if read[0].done()]
+        for rid, _ in done:
+            del self.fetching[rid]
+        return [("fetched", header, read) for _, (read, header) in done]
+
     def _control_message(self, raw: bytes) -> tuple | None:
         """The engine loop's form of a message from the API server (None: nothing for it)."""
         from moeinfra.server.messages import (
@@ -338,6 +360,7 @@ class RankServer:
             Add,
             BadFrame,
             Rejoin,
+            Release,
             Shutdown,
             decode_to_rank,
         )
@@ -365,7 +388,12 @@ class RankServer:
             read = self.reader.submit(self.disk.lookup, ids, skip_tokens=skip)
             self.reading[message.request_id] = (read, add)
             return None
+        if isinstance(message, Release):
+            self.connector.release(message.request_id)
+            return None
         if isinstance(message, Abort):
+            if self.connector is not None:  # (blocks it lent for the request go too)
+                self.connector.release(message.request_id)
             if self.reading.pop(message.request_id, None) is not None:
                 return None  # aborted while its prefix was read: never added
             return ("abort", message.request_id)
@@ -394,23 +422,60 @@ class RankServer:
 
         if message[0] == "kv":
             self._arrive(message[1])
+        elif message[0] == "fetched":
+            self._fetched_blocks(message[1], message[2])
         elif message[0] == "rejoin":
             self.rejoin()
         elif message[0] == "failed":
             self._send(Failed(message[1], message[2]))
 
     def _arrive(self, frames) -> None:
-        from moeinfra.server.kv_transfer import TransferError, unpack
-        from moeinfra.server.messages import BadFrame, Failed, Received
+        from moeinfra.server.messages import BadFrame, Failed, decode_kv_header
 
-        data = self.core.cache.data
         try:
-            arrival = unpack([f.buffer for f in frames], data.shape[0], data.shape[2], data.dtype)
+            header = decode_kv_header(frames[0].buffer)
+        except BadFrame as err:
+            self._drop("KV", err)
+            return
+        if not header.source:
+            self._take(header, [f.buffer for f in frames[1:]])
+        elif self.fetcher is None:
+            self._send(
+                Failed(
+                    header.request_id,
+                    f"its prefill unit lent its KV blocks for a {self.spec.kv_connector!r} "
+                    f"connector to read, and decode unit {self.spec.unit_id} uses "
+                    f"--kv-connector {self.spec.kv_connector}: give both the same",
+                )
+            )
+        else:
+            read = self.fetcher.submit(self.connector.fetch, header)
+            self.fetching[header.request_id] = (read, header)
+
+    def _fetched_blocks(self, header, read: Future) -> None:
+        from moeinfra.server.kv_transfer import TransferError
+        from moeinfra.server.messages import Failed
+
+        try:
+            blocks = read.result()
         except TransferError as err:
             self._send(Failed(err.request_id, str(err)))
             return
-        except BadFrame as err:
-            self._drop("KV", err)
+        except Exception as err:  # (a transfer engine's own error must not stop the rank)
+            self._send(Failed(header.request_id, f"reading its KV blocks failed: {err}"))
+            return
+        self._take(header, blocks)
+
+    def _take(self, header, blocks) -> None:
+        """Verify a hand-off's blocks and start decoding its request."""
+        from moeinfra.server.kv_transfer import TransferError, verify
+        from moeinfra.server.messages import Failed, Received
+
+        data = self.core.cache.data
+        try:
+            arrival = verify(header, blocks, data.shape[0], data.shape[2], data.dtype)
+        except TransferError as err:
+            self._send(Failed(err.request_id, str(err)))
             return
         self.received_bytes += arrival.nbytes
         try:
@@ -467,7 +532,7 @@ class RankServer:
         """Frame, check-sum and queue a hand-off on its decode rank's socket (sender thread)."""
         import zmq
 
-        from moeinfra.server.kv_transfer import pack
+        from moeinfra.server.kv_transfer import TransferError
         from moeinfra.server.secret import connect_securely
 
         if handoff.ready is not None:
@@ -487,9 +552,13 @@ class RankServer:
                 self.send_failures.append((handoff.request_id, f"KV address {address}: {err}"))
                 return
             self.kv_out[address] = sock
-        frames = pack(handoff, self.core.config.block_size)
+        try:
+            frames = self.connector.frames(handoff, self.core.config.block_size)
+        except TransferError as err:
+            self.send_failures.append((handoff.request_id, str(err)))
+            return
         sock.send_multipart(frames, copy=False)  # ZeroMQ's I/O thread sends from here
-        self.sent_bytes += sum(getattr(f, "nbytes", len(f)) for f in frames[1:])
+        self.sent_bytes += handoff.kv.nbytes
         self.handoffs_sent += 1
 
     def _store(self, prompt_ids, kv, ready=None) -> None:
@@ -576,6 +645,10 @@ class RankServer:
         # (a failing rank drops the hand-offs not yet queued; the sender is done either way
         # before its sockets close)
         self.sender.shutdown(wait=True, cancel_futures=linger_s is not None)
+        if self.fetcher is not None:
+            self.fetcher.shutdown(wait=True, cancel_futures=True)
+        if self.connector is not None:
+            self.connector.close()
         self._send(Bye(self.rank))
         linger = None if linger_s is None else int(linger_s * 1000)
         for sock in self.kv_out.values():
