@@ -22,7 +22,7 @@ import time
 import torch
 import zmq
 
-from moeinfra.engine.core import Handoff
+from moeinfra.engine.handoff import Handoff
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.server.kv_connector import make_connector
 from moeinfra.server.kv_transfer import verify

@@ -14,3 +14,7 @@ class InputError(MoeinfraError):
 
 class TraceFormatError(MoeinfraError):
     """A trace file cannot be read (truncated JSON, wrong structure, ...)."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint folder cannot be used; the message names the file (and tensor)."""

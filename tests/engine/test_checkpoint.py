@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.fp8 import dequantize, quantize
-from moeinfra.engine.hf_config import CheckpointError, parse_config, read_config
+from moeinfra.engine.hf_config import parse_config, read_config
 from moeinfra.engine.registry import architecture, supported_model_types
 from moeinfra.engine.tiny import init_tiny, random_weights, tiny_config
+from moeinfra.errors import CheckpointError
 
 
 def _copy(src, tmp_path):

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from moeinfra.engine import LLM, SamplingParams
-from moeinfra.engine.hf_config import CheckpointError, published_config, read_config
+from moeinfra.engine.hf_config import published_config, read_config
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.registry import architecture
 from moeinfra.engine.tiny import TINY_INDEXER, init_tiny
+from moeinfra.errors import CheckpointError
 from moeinfra.moe.mla import Segment
 
 from .conftest import PROMPTS, check_greedy, edit_config, hf_greedy, one_rank_model

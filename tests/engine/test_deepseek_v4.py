@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from moeinfra.engine import LLM, SamplingParams
-from moeinfra.engine.hf_config import CheckpointError, read_config
+from moeinfra.engine.hf_config import read_config
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.tiny import init_tiny
+from moeinfra.errors import CheckpointError
 from moeinfra.moe.mla import Segment
 
 from .conftest import (

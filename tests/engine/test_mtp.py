@@ -15,11 +15,10 @@ from safetensors.torch import load_file, save_file
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine import core as engine_core
 from moeinfra.engine.core import EngineCore
-from moeinfra.engine.hf_config import CheckpointError
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.speculative import verify
 from moeinfra.engine.tiny import init_tiny
-from moeinfra.errors import InputError
+from moeinfra.errors import CheckpointError, InputError
 from moeinfra.moe.mla import Segment
 
 from .conftest import MAX_TOKENS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeinfra.engine.core import Handoff
+from moeinfra.engine.handoff import Handoff
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.errors import InputError
 from moeinfra.server.kv_connector import check_connector, make_connector

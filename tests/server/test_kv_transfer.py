@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeinfra.engine.core import Handoff
+from moeinfra.engine.handoff import Handoff
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.server.kv_transfer import TransferError, pack, unpack
 

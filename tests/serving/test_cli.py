@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moeinfra.cli.serve import parse_duration_s
+from moeinfra.cli.options import parse_duration_s
 from moeinfra.errors import InputError
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moeinfra.engine.fp8 import dequantize, dequantize_fp4
-from moeinfra.engine.hf_config import CheckpointError
+from moeinfra.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

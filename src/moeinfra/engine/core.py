@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -25,6 +25,8 @@ import torch.distributed as dist
 from moeinfra.engine.checkpoint import CheckpointReader
 from moeinfra.engine.config import EngineConfig
 from moeinfra.engine.device import keeps_fp8, place_rank, resolve_dtype
+from moeinfra.engine.drafting import MtpDrafter
+from moeinfra.engine.handoff import Handoff, to_host
 from moeinfra.engine.hf_config import ModelConfig, read_config
 from moeinfra.engine.kv_blocks import BlockManager
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
@@ -34,7 +36,7 @@ from moeinfra.engine.logits_processing import bad_word_ids, process_logits
 from moeinfra.engine.logprobs import gather, log_softmax
 from moeinfra.engine.models.mtp import with_mtp_layer
 from moeinfra.engine.outputs import StepOutput
-from moeinfra.engine.registry import architecture, require_mtp
+from moeinfra.engine.registry import architecture
 from moeinfra.engine.sampling import SamplingParams, StopChecker, request_generator, sample
 from moeinfra.engine.scheduler import Scheduler
 from moeinfra.engine.sequence import Preloaded, Sequence, Status
@@ -63,27 +65,6 @@ def check_prompt(config: ModelConfig, prompt_ids: list[int]) -> None:
             f"prompt has {len(prompt_ids)} tokens, the model's context is "
             f"{config.max_position_embeddings}"
         )
-
-
-@dataclass
-class Handoff:
-    """A prefill-only request after its first token: what its decode unit needs to go on.
-
-    ``kv [layers, prompt tokens, values]``: the prompt's KV in the cache layout (the MTP layer's
-    included when the unit drafts), in host memory once ``ready`` (a CUDA event its copy from the
-    device completes at; None: already there); ``target``: the ``handoff`` the request was added
-    with; ``drafts``: the MTP layer's drafts after the first token (empty without speculative
-    decoding)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    params: SamplingParams
-    kv: torch.Tensor
-    num_cached_tokens: int
-    target: object
-    drafts: list[int] = field(default_factory=list)
-    ready: object = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +130,10 @@ class EngineCore:
         )
         self.model.to(self.device).eval()
         self.num_speculative_tokens = self.config.num_speculative_tokens
-        self.mtp = self._load_mtp(reader, dtype, keep_fp8) if self.num_speculative_tokens else None
+        self.drafter = (
+            MtpDrafter(self, reader, dtype, keep_fp8) if self.num_speculative_tokens else None
+        )
+        self.mtp = self.drafter.mtp if self.drafter is not None else None
         self.spec_stats = SpecStats(self.num_speculative_tokens)
         layout = self.arch.kv_layout(self.model_config, dtype, self.config.block_size)
         if self.mtp is not None:
@@ -219,15 +203,6 @@ class EngineCore:
         load = np.ones((max(layers, 1), experts))
         groups = mc.block.num_expert_groups
         return rebalance(load[:layers], slots, groups, 1, world)
-
-    def _load_mtp(self, reader: CheckpointReader, dtype: torch.dtype, keep_fp8: bool):
-        """The checkpoint's MTP layer as this rank's draft model (its experts placed evenly)."""
-        source = str(reader.model_dir / "config.json")
-        require_mtp(self.arch, self.model_config, source, "num_speculative_tokens")
-        mtp = self.arch.load_mtp(
-            reader, self.model_config, self._initial_plan(1), self.comm, dtype, keep_fp8
-        )
-        return mtp.to(self.device).eval()
 
     @torch.no_grad()
     def warm_up(self, seed: int = 0) -> int:
@@ -418,8 +393,9 @@ class EngineCore:
                 outputs.append(self._append_all(seq, tokens, logprobs))
                 if seq.handoff is not None and not seq.finished:
                     handoffs.append(seq)
-        if self.mtp is not None:
-            self._draft(scheduled, starts, hidden, step_cache, {c.seq.seq_id for c, _ in sampling})
+        if self.drafter is not None:
+            sampled = {c.seq.seq_id for c, _ in sampling}
+            self.drafter.draft(scheduled, starts, hidden, step_cache, sampled)
         for seq in handoffs:
             self._hand_off(seq)
         self.stats.append(
@@ -552,68 +528,6 @@ class EngineCore:
             offset += len(sampling[i][0].drafts) + 1
         return out, logprobs
 
-    def _draft(
-        self, scheduled, starts, hidden: torch.Tensor, step_cache: StepCache, sampled: set[int]
-    ) -> None:
-        """Run the MTP layer over every position this step computed (the target's hidden state
-        there and the token after it), then draft ``num_speculative_tokens`` tokens for every
-        request that got a new token (``sampled``: their sequence ids). Collective: the same
-        number of MTP passes on every rank."""
-        rows, next_ids, segments, drafting = [], [], [], []
-        for c, first in zip(scheduled, starts, strict=False):
-            seq = c.seq
-            count = min(c.start + c.length, seq.num_computed) - c.start
-            if count <= 0:
-                continue
-            # a request that just finished still gets its MTP rows: its full blocks are in the
-            # prefix cache already, and no block is handed out again before this pass
-            rows.extend(range(first, first + count))
-            next_ids.extend(seq.token_ids[c.start + 1 : c.start + count + 1])
-            segments.append(Segment(seq.seq_id, c.start, count))
-            if seq.seq_id in sampled and not seq.finished:
-                drafting.append((seq, len(rows) - 1))
-        mtp_layer = self.cache.layout.num_layers - 1
-        ids = torch.tensor(next_ids, dtype=torch.int64, device=self.device)
-        out = self.mtp(hidden[rows], ids, segments, step_cache.layer(mtp_layer))
-        last = out[[row for _, row in drafting]]
-        seqs = [seq for seq, _ in drafting]
-        tokens = self._draft_tokens(last)
-        for seq, token in zip(seqs, tokens.tolist(), strict=True):
-            seq.drafts = [token]
-        for j in range(1, self.num_speculative_tokens):
-            # draft j + 1 runs the layer at position num_computed + j - 1, on its own last output
-            keep = [
-                i
-                for i, seq in enumerate(seqs)
-                if self.blocks.ensure_slots(seq.seq_id, seq.num_computed + j)
-            ]
-            seqs, last, tokens = [seqs[i] for i in keep], last[keep], tokens[keep]
-            cache = StepCache(self.cache, {s.seq_id: self._slots(s) for s in seqs})
-            segments = [Segment(s.seq_id, s.num_computed + j - 1, 1) for s in seqs]
-            last = self.mtp(last, tokens, segments, cache.layer(mtp_layer))
-            tokens = self._draft_tokens(last)
-            for seq, token in zip(seqs, tokens.tolist(), strict=True):
-                seq.drafts.append(token)
-        for seq, _ in drafting:
-            # a request with a grammar takes no drafts (each would need the grammar's mask)
-            del seq.drafts[0 if seq.params.grammar is not None else self._draft_room(seq) :]
-
-    def _draft_tokens(self, last: torch.Tensor) -> torch.Tensor:
-        """The MTP layer's greedy draft after each of its outputs ``last [N, H]``; on the CPU in
-        parts of about :data:`LOGITS_PART_BYTES` of logits, as :meth:`_sample`."""
-        if last.device.type != "cpu":
-            return self.mtp.logits(last).argmax(dim=-1)
-        parts = last.split(self._logits_rows_per_part()) or (last,)
-        return torch.cat([self.mtp.logits(part).argmax(dim=-1) for part in parts])
-
-    def _draft_room(self, seq: Sequence) -> int:
-        """Drafts worth verifying: the next step emits them and one more token, within
-        ``max_tokens`` and the model's context."""
-        room = self.model_config.max_position_embeddings - seq.num_tokens
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
-        return max(0, room)
-
     def _slots(self, seq: Sequence) -> torch.Tensor:
         """``[capacity]`` cache slot of every position of ``seq`` (rebuilt when its table grows)."""
         table = self.blocks.block_table(seq.seq_id)
@@ -632,17 +546,9 @@ class EngineCore:
         seq.preloaded = None
 
     def prompt_kv(self, seq: Sequence) -> tuple[torch.Tensor, object]:
-        """``([layers, prompt tokens, values]`` copy of ``seq``'s prompt KV in host memory (where
-        a transfer or the on-disk cache takes it from), the CUDA event its copy from the device
-        completes at (None: there already)): on a GPU the copy runs while the next step does."""
-        rows = self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]]  # (a copy)
-        if rows.device.type != "cuda":
-            return rows, None
-        kv = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        kv.copy_(rows, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return kv, ready
+        """:func:`~moeinfra.engine.handoff.to_host` of ``seq``'s prompt KV
+        (``[layers, prompt tokens, values]``)."""
+        return to_host(self.cache.data[:, self._slots(seq)[: len(seq.prompt_ids)]])
 
     def _hand_off(self, seq: Sequence) -> None:
         kv, ready = self.prompt_kv(seq)

@@ -5,18 +5,49 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from moeinfra.errors import InputError
+from moeinfra.errors import CheckpointError, InputError
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.rope import Yarn
 
-if TYPE_CHECKING:
-    from moeinfra.engine.models.deepseek_v4 import V4Attention
+# DeepSeek-V4's layer kinds
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 
 
-class CheckpointError(InputError):
-    """A checkpoint folder cannot be used; the message names the file (and tensor)."""
+@dataclass(frozen=True)
+class V4Attention:
+    """DeepSeek-V4's attention and residual-stream knobs (``config.json``)."""
+
+    head_dim: int
+    rope_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_kinds: tuple[str, ...]
+    compress_ratios: tuple[int, ...]  # per layer, 0 for a sliding-only layer
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: Yarn | None
+    hash_layers: tuple[bool, ...]
+
+    @property
+    def has_csa(self) -> bool:
+        return CSA in self.layer_kinds
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        """The distinct compression ratios in use."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeinfra.engine.hf_config import CheckpointError, ModelConfig
+from moeinfra.engine.hf_config import ModelConfig
 from moeinfra.engine.kv_cache import KVLayout
+from moeinfra.errors import CheckpointError
 
 
 @dataclass(frozen=True)

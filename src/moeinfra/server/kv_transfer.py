@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moeinfra.engine.core import Handoff
+from moeinfra.engine.handoff import Handoff
 from moeinfra.engine.sampling import SamplingParams
 from moeinfra.engine.sequence import Preloaded
 from moeinfra.server.messages import KVHeader, decode_kv_header, encode

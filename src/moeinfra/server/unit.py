@@ -110,7 +110,7 @@ def config_digest(model_dir: str | Path) -> str:
 
 def check_drafting(model_dir: str | Path, num_speculative_tokens: int) -> None:
     """Refuse ``--speculative-tokens`` above 0 for a checkpoint without an MTP layer (before any
-    process starts): a :class:`~moeinfra.engine.hf_config.CheckpointError` naming the field."""
+    process starts): a :class:`~moeinfra.errors.CheckpointError` naming the field."""
     if not num_speculative_tokens:
         return
     from moeinfra.engine.hf_config import read_config

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from moeinfra.engine.hf_config import CheckpointError, IndexerConfig, ModelConfig
+from moeinfra.engine.hf_config import IndexerConfig, ModelConfig
 from moeinfra.engine.hf_config import parse_config as parse_v3_config
 from moeinfra.engine.models.deepseek_v3 import DeepseekV3, kv_layout, load
+from moeinfra.errors import CheckpointError
 
 MODEL_TYPE = "deepseek_v32"
 # DeepSeek's V3.2 FP8 release writes scale_fmt "ue8m0": block scales are powers of two, stored as

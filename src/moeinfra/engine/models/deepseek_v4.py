@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeinfra.engine.checkpoint import CheckpointReader
-from moeinfra.engine.hf_config import CheckpointError, ModelConfig, model_fields
+from moeinfra.engine.hf_config import CSA, HCA, SLIDING, ModelConfig, V4Attention, model_fields
 from moeinfra.engine.kv_cache import KVLayout, LayerCache, StepCache, gather
 from moeinfra.eplb import Plan
+from moeinfra.errors import CheckpointError
 from moeinfra.moe.comm import Communicator
 from moeinfra.moe.config import MoEConfig
 from moeinfra.moe.expert_parallel import ExpertParallelMoE, rank_experts
@@ -48,48 +49,11 @@ from moeinfra.moe.runtime import ExpertParallelDecoder
 
 MODEL_TYPE = "deepseek_v4"
 
-SLIDING, CSA, HCA = (
-    "sliding_attention",
-    "compressed_sparse_attention",
-    "heavily_compressed_attention",
-)
 # compress_ratios (DeepSeek's config) -> layer kind, as transformers reads them
 _KIND_OF_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
 
 # cache parts per token per layer (widths in :func:`kv_layout`)
 WINDOW_KV, ENTRY, INDEX_ENTRY, TAIL = "kv", "entry", "index_entry", "tail"
-
-
-@dataclass(frozen=True)
-class V4Attention:
-    """DeepSeek-V4's attention and residual-stream knobs (``config.json``)."""
-
-    head_dim: int
-    rope_dim: int
-    o_groups: int
-    o_lora_rank: int
-    sliding_window: int
-    layer_kinds: tuple[str, ...]
-    compress_ratios: tuple[int, ...]  # per layer, 0 for a sliding-only layer
-    index_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rope_theta: float
-    compress_rope_theta: float
-    yarn: Yarn | None
-    hash_layers: tuple[bool, ...]
-
-    @property
-    def has_csa(self) -> bool:
-        return CSA in self.layer_kinds
-
-    @property
-    def ratios(self) -> tuple[int, ...]:
-        """The distinct compression ratios in use."""
-        return tuple(sorted({r for r in self.compress_ratios if r}))
 
 
 def _positive(raw: dict, key: str, source: str) -> int:
