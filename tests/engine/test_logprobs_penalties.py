@@ -178,7 +178,7 @@ def test_drafts_change_neither_tokens_nor_logprobs_under_penalties(
     """Each verified draft position is processed with the outputs before it (a penalty's counts
     grow inside one step): the same tokens and log-probabilities as decoding one at a time. The
     drafts are the right continuation up to a wrong second one, so some are accepted."""
-    from moeinfra.engine.core import EngineCore
+    from moeinfra.engine.drafting import MtpDrafter
 
     mtp = init_tiny(tmp_path / "mtp", tokenizer="bpe", config={"num_nextn_predict_layers": 1})
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2,
@@ -186,18 +186,18 @@ def test_drafts_change_neither_tokens_nor_logprobs_under_penalties(
     with LLM(mtp, block_size=4, num_kv_blocks=256) as engine:
         prompt = engine.tokenizer.encode("x")
         plain = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    draft = EngineCore._draft
+    draft = MtpDrafter.draft
 
     def oracle(self, *args):
         draft(self, *args)
-        for seq in self.requests.values():
+        for seq in self.core.requests.values():
             if seq.drafts:
                 proposed = plain.token_ids[len(seq.output_ids) :][: len(seq.drafts)]
                 if len(proposed) > 1:
                     proposed[1] = (proposed[1] + 1) % 1000
                 seq.drafts = proposed or seq.drafts
 
-    monkeypatch.setattr(EngineCore, "_draft", oracle)
+    monkeypatch.setattr(MtpDrafter, "draft", oracle)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     with LLM(mtp, block_size=4, num_kv_blocks=256, speculative_config=spec) as engine:
         out = engine.generate([prompt], params, use_tqdm=False)[0]

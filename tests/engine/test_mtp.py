@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from moeinfra.engine import LLM, SamplingParams
 from moeinfra.engine import core as engine_core
 from moeinfra.engine.core import EngineCore
+from moeinfra.engine.drafting import MtpDrafter
 from moeinfra.engine.kv_cache import PagedKVCache, StepCache
 from moeinfra.engine.speculative import verify
 from moeinfra.engine.tiny import init_tiny
@@ -149,11 +150,11 @@ def test_greedy_with_drafts_equals_transformers(mtp_path, prompt_ids, reference,
 def _oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int]], wrong_at: int):
     """Make the MTP layer's drafts the reference continuation (the draft at position ``wrong_at``
     off by one token), so drafts are accepted up to there and rejected after."""
-    draft = EngineCore._draft
+    draft = MtpDrafter.draft
 
     def oracle(self, *args):
         draft(self, *args)
-        for seq in self.requests.values():
+        for seq in self.core.requests.values():
             if seq.drafts:
                 future = continuations[tuple(seq.prompt_ids)][len(seq.output_ids) :]
                 proposed = future[: len(seq.drafts)]
@@ -161,7 +162,7 @@ def _oracle_drafts(monkeypatch, continuations: dict[tuple[int, ...], list[int]],
                     proposed[wrong_at] += 1
                 seq.drafts = proposed or seq.drafts
 
-    monkeypatch.setattr(EngineCore, "_draft", oracle)
+    monkeypatch.setattr(MtpDrafter, "draft", oracle)
 
 
 def test_accepted_drafts_advance_several_tokens_a_step(
