@@ -123,3 +123,64 @@ def test_a_server_with_the_mooncake_connector_answers_as_transformers(tiny_bpe, 
             assert reply.choices[0].model_extra["token_ids"] == ref, prompt
     finally:
         assert server.stop() == 0, "".join(server.log)
+
+
+def test_a_decode_unit_on_another_connector_fails_the_request_naming_the_option(tiny_bpe):
+    """A prefill unit lending its blocks to Mooncake and a decode unit on ZeroMQ: the request
+    fails at once with the reason, nothing waits for the hand-off's timeout."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from moeinfra.moe.launch import free_port
+
+    from .conftest import ServerProcess, wait_until
+
+    control = f"tcp://127.0.0.1:{free_port()}"
+    srv = ServerProcess(["--model", str(tiny_bpe), "--control", control,
+                         "--prefill-units", "0", "--decode-units", "0"])  # fmt: skip
+    units = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moeinfra.cli",
+                "serve",
+                "unit",
+                "--server",
+                control,
+                "--model",
+                str(tiny_bpe),
+                "--role",
+                role,
+                "--ranks",
+                "1",
+                "--unit-id",
+                role,
+                "--kv-connector",
+                connector,
+                "--block-size",
+                "16",
+                "--num-kv-blocks",
+                "256",
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        for role, connector in (("prefill", "mooncake"), ("decode", "zmq"))
+    ]
+    try:
+        wait_until(
+            lambda: httpx.get(f"{srv.url}/health", timeout=10).status_code == 200, timeout_s=120
+        )
+        body = {"model": "tiny", "prompt": "hello world", "max_tokens": 8}
+        answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code >= 500
+        assert "read through Mooncake" in answer.text and "--kv-connector zmq" in answer.text
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)
+        for unit in units:
+            if unit.poll() is None:
+                unit.kill()
+            unit.wait(30)

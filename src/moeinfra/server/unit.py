@@ -443,9 +443,9 @@ class RankServer:
             self._send(
                 Failed(
                     header.request_id,
-                    f"its prefill unit lent its KV blocks for a {self.spec.kv_connector!r} "
-                    f"connector to read, and decode unit {self.spec.unit_id} uses "
-                    f"--kv-connector {self.spec.kv_connector}: give both the same",
+                    f"its prefill unit lent its KV blocks to be read through Mooncake (from "
+                    f"{header.source}), and decode unit {self.spec.unit_id} uses "
+                    f"--kv-connector {self.spec.kv_connector}: start both with the same one",
                 )
             )
         else:
