@@ -310,7 +310,8 @@ def calibrate_live(
         raise InputError(f"--url={url!r}: a probe request failed: {failed[0]}")
     seen = _last_steps(asyncio.run(_get_steps(url)))
     alone = asyncio.run(
-        _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB) for i in range(9)])
+        # (prompts of this seed's own: another calibration's are in the server's prefix caches)
+        _one_at_a_time(url, [token_block(-1 - i, 64, PROBE_VOCAB, seed) for i in range(9)])
     )
     info = asyncio.run(_get_steps(url))
     points = step_points(info["units"])
