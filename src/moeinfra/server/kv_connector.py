@@ -74,8 +74,7 @@ class MooncakeConnector:
         self.lock = threading.Lock()  # (frames runs on the sender thread, release on the loop)
 
     def frames(self, handoff, block_size: int) -> list:
-        blocks = blocks_of(handoff.kv, block_size)
-        lent = np.concatenate([b.reshape(-1) for b in blocks])
+        lent, blocks = blocks_of(handoff.kv, block_size)
         address = lent.ctypes.data
         if self.engine.register_memory(address, lent.nbytes) != 0:
             raise TransferError(handoff.request_id, "Mooncake could not register its KV blocks")

@@ -55,13 +55,21 @@ class Arrival:
     drafts: list[int] = field(default_factory=list)
 
 
-def blocks_of(kv: torch.Tensor, block_size: int) -> list[np.ndarray]:
-    """``kv [layers, tokens, values]`` as blocks ``[layers, <= block_size tokens, bytes]``, each
-    contiguous."""
+def blocks_of(kv: torch.Tensor, block_size: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``kv [layers, tokens, values]`` as blocks ``[layers, <= block_size tokens, bytes]`` back to
+    back in one buffer (one copy): ``(buffer, blocks)``, each block a contiguous view of it."""
     kv = kv.contiguous()
     layers, tokens, _ = kv.shape
     raw = kv.view(torch.uint8).numpy().reshape(layers, tokens, -1)
-    return [np.ascontiguousarray(raw[:, s : s + block_size]) for s in range(0, tokens, block_size)]
+    buffer = np.empty(raw.size, dtype=np.uint8)
+    blocks, at = [], 0
+    for start in range(0, tokens, block_size):
+        part = raw[:, start : start + block_size]
+        block = buffer[at : at + part.size].reshape(part.shape)
+        block[...] = part
+        blocks.append(block)
+        at += part.size
+    return buffer, blocks
 
 
 def header_of(
@@ -87,7 +95,7 @@ def header_of(
 
 def pack(handoff: Handoff, block_size: int) -> list:
     """Frames of one hand-off whose blocks travel with it."""
-    blocks = blocks_of(handoff.kv, block_size)
+    _, blocks = blocks_of(handoff.kv, block_size)
     return [encode(header_of(handoff, blocks, block_size)), *blocks]
 
 

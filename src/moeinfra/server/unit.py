@@ -348,10 +348,8 @@ class RankServer:
 
     def _fetched(self) -> list[tuple]:
         """``("fetched", header, read)`` of every hand-off whose blocks were read."""
-        done = [(rid, read) for rid, read in self.fetching.items() if read[0].done()]
-        for rid, _ in done:
-            del self.fetching[rid]
-        return [("fetched", header, read) for _, (read, header) in done]
+        done = [rid for rid, (read, _) in self.fetching.items() if read.done()]
+        return [("fetched", header, read) for read, header in map(self.fetching.pop, done)]
 
     def _control_message(self, raw: bytes) -> tuple | None:
         """The engine loop's form of a message from the API server (None: nothing for it)."""
