@@ -67,3 +67,24 @@ def test_stream_detokenization_equals_whole_decode(tokenizer_dir):
         pieces = [stream.push([i]) for i in ids]
         assert "".join(pieces) == tok.decode(ids)
         assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_stream_detokenization_of_random_ids_in_chunks(tokenizer_dir, skip_special_tokens):
+    """Any ids (special tokens, pieces of UTF-8 characters), pushed several at a time: the pieces
+    join to the whole decode, short of a trailing incomplete character held back."""
+    import random
+
+    tok = Tokenizer(tokenizer_dir)
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        stream = DetokenizeStream(tok, skip_special_tokens)
+        pieces, i = [], 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            pieces.append(stream.push(ids[i : i + n]))
+            i += n
+        whole = tok.decode(ids, skip_special_tokens)
+        assert stream.text == "".join(pieces)
+        assert stream.text == whole or (whole.startswith(stream.text) and whole.endswith("\ufffd"))
