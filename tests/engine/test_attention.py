@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeinfra.engine import LLM, SamplingParams, attention
@@ -105,3 +106,33 @@ def test_small_decode_steps_run_the_fused_kernel_with_the_torch_paths_tokens(
     assert [o.outputs[0].token_ids for o in with_kernels] == [
         o.outputs[0].token_ids for o in without
     ]
+
+
+def test_a_bfloat16_prompt_attends_in_pairs_only_where_the_cpu_has_them(tiny_path, request):
+    """A long bfloat16 prompt (its chunk attends expanded, through ``prefill_attention``): on
+    this CPU the kernel multiplies in bfloat16 pairs where it has AVX512-BF16, and on a CPU
+    without (forced) widens to float32; the two runs' first tokens agree."""
+    from moeinfra.moe import cpu_features
+
+    if not cpu_kernels.available():
+        pytest.skip("moeinfra's CPU kernels are not built here")
+    calls = []
+    kernel = torch.ops.moeinfra.prefill_attention
+
+    def recording(q, k, v, scale, pairs):
+        calls.append(pairs)
+        return kernel(q, k, v, scale, pairs)
+
+    request.getfixturevalue("monkeypatch").setattr(
+        torch.ops.moeinfra, "prefill_attention", recording
+    )
+    prompt = [list(range(20, 220))]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm = LLM(tiny_path, dtype="bfloat16", enable_prefix_caching=False)
+    native = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls and set(calls) == {cpu_features.detect().avx512_bf16}
+    calls.clear()
+    request.getfixturevalue("avx2_only")
+    forced = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls and set(calls) == {False}
+    assert forced == native

@@ -164,22 +164,28 @@ def _causal_reference(q, k, v, scale):
     return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+PREFILL_DTYPES = [*DTYPES, "bfloat16 without pairs"]
+
+
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize(
     "n,m,heads,dq,dv",
     [(1, 1, 1, 16, 16), (5, 5, 2, 64, 32), (70, 200, 3, 96, 32), (130, 130, 4, 192, 128),
-     (64, 129, 2, 24, 40)],
+     (64, 129, 2, 24, 40), (3, 67, 1, 7, 5), (200, 333, 2, 65, 80)],
 )  # fmt: skip
 def test_prefill_attention_equals_masked_softmax_attention(dtype, n, m, heads, dq, dv):
     """A chunk of n queries at the end of m keys (a prompt after a cached prefix), causal, over
     several of the kernel's 64-row blocks of queries and keys, with keys and values as views of
-    one expanded tensor (as MLA's expanded path makes them) and value widths of 64s, 16s and
-    neither."""
+    one expanded tensor (as MLA's expanded path makes them), value widths of 64s, 16s and
+    neither, odd widths and key counts (bfloat16 pairs padded); bfloat16 both in pairs (on a CPU
+    with AVX512-BF16) and widened to float32, as on a CPU without."""
+    pairs = dtype != "bfloat16 without pairs"
+    dtype = dtype if pairs else torch.bfloat16
     torch.manual_seed(n + m)
     kv = torch.randn(m, heads, dq + dv).to(dtype)
     k, v = kv[..., :dq], kv[..., dq:]
     q = torch.randn(n, heads, dq).to(dtype)
-    out = torch.ops.moeinfra.prefill_attention(q, k, v, dq**-0.5)
+    out = torch.ops.moeinfra.prefill_attention(q, k, v, dq**-0.5, pairs)
     assert out.dtype == dtype and out.shape == (n, heads, dv)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(

@@ -428,7 +428,8 @@ def expanded_attention(
     q_nope, q_pe = latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows)
     q = torch.cat([q_nope, q_pe], dim=-1)
     if cpu_kernels.usable(q, k, v):
-        out = torch.ops.moeinfra.prefill_attention(q, k, v, mla.scale)
+        pairs = cpu_features.detect().avx512_bf16  # bfloat16 products in pairs where it can
+        out = torch.ops.moeinfra.prefill_attention(q, k, v, mla.scale, pairs)
         return mla.wo(out.flatten(1))
     scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).mul_(mla.scale)
     probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)

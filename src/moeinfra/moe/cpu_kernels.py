@@ -9,7 +9,9 @@ torch operators (``torch.ops.moeinfra.*``):
 - ``mla_decode``: absorbed MLA attention of one query per request straight from the paged cache's
   slots (no gathered context, no padded mask), float32 inside;
 - ``prefill_attention``: causal attention of a prompt chunk over per-head keys and values in
-  blocks with a running softmax (no score matrix written);
+  blocks with a running softmax (no score matrix written); bfloat16 tensors on a CPU with
+  AVX512-BF16 multiply in bfloat16 pairs (``vdpbf16ps``, float32 sums) unless the caller passes
+  ``bf16_pairs=False`` (what :mod:`moeinfra.moe.cpu_features` says this CPU lacks);
 - ``expert_rows``: the SwiGLU experts of a few rows, each run of one slot's rows reading that slot's
   stacked weights in place (no weight gather); given the gate weights, a token's routed pairs and
   their weighted sum (one rank: no sort, no per-pair copies);

@@ -1,11 +1,16 @@
 // Fused CPU kernels of a few-row (decode) step: each replaces a chain of small torch operators
 // whose per-call cost, not their arithmetic, dominates a step of a few requests. Built and loaded
 // by moeinfra/moe/cpu_kernels.py, which says when each runs; every one is tested against the
-// torch operators it replaces. Arithmetic is float32 whatever the tensors' dtype; where the
-// torch path rounds an intermediate to a half-precision dtype, so does the kernel.
+// torch operators it replaces. Arithmetic is float32 whatever the tensors' dtype (but for
+// prefill_attention's bfloat16 pairs, which sum their products in float32); where the torch path
+// rounds an intermediate to a half-precision dtype, so does the kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -393,24 +398,19 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
 // Query i of a chunk of n (the context's last n positions) attends to keys 0 .. m - n + i. Tasks
 // are (head, block of 64 queries); key blocks of 64 stream past with a running softmax (flash
 // attention): no n x m score matrix is written, the blocks above the diagonal are not computed.
-// scores[i * 64 + j] = query row i . key row j for qn <= 64 float query rows of dq values and kn
-// <= 64 key rows (stride key_stride): the keys transposed once into keys_t [dq, 64] (zeros past
-// kn), then 4 queries x 64 keys in 16 vector accumulators, one multiply-add per query value and
-// key vector (no horizontal sums: a dot product of 64 values at a time spends as long summing its
-// vectors' lanes as multiplying).
-template <typename T>
-void query_key_block(const float* query, int64_t qn, const T* key, int64_t key_stride, int64_t kn,
-                     int64_t dq, float* keys_t, float* scores) {
-  constexpr int64_t kBlock = 64;
-  for (int64_t d = 0; d < dq; ++d) std::fill_n(keys_t + d * kBlock + kn, kBlock - kn, 0.f);
-  for (int64_t j = 0; j < kn; ++j)
-    for (int64_t d = 0; d < dq; ++d) keys_t[d * kBlock + j] = static_cast<float>(key[j * key_stride + d]);
+// Each head's keys are transposed once, before the tasks, into [dq][keys padded to 64s].
+// scores[i * 64 + j] = query row i . key j for qn <= 64 float query rows of dq values and the 64
+// keys from `keys_t` (transposed: one row of key_stride values per dimension), 4 queries x 64 keys
+// in 16 vector accumulators, one multiply-add per query value and key vector (no horizontal sums:
+// a dot product of 64 values at a time spends as long summing its vectors' lanes as multiplying).
+inline void query_key_block(const float* query, int64_t qn, const float* keys_t, int64_t key_stride,
+                            int64_t dq, float* scores) {
   for (int64_t i = 0; i < qn; i += 4) {
     const float* q[4];
     for (int64_t r = 0; r < 4; ++r) q[r] = query + std::min(i + r, qn - 1) * dq;
     f32x16 acc[4][4] = {};
     for (int64_t d = 0; d < dq; ++d) {
-      const float* kt = keys_t + d * kBlock;
+      const float* kt = keys_t + d * key_stride;
       const f32x16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
       for (int r = 0; r < 4; ++r) {
         const float x = q[r][d];
@@ -418,7 +418,47 @@ void query_key_block(const float* query, int64_t qn, const T* key, int64_t key_s
       }
     }
     for (int64_t r = 0; r < 4 && i + r < qn; ++r)
-      std::memcpy(scores + (i + r) * kBlock, acc[r], sizeof acc[r]);
+      std::memcpy(scores + (i + r) * 64, acc[r], sizeof acc[r]);
+  }
+}
+
+// The largest of n values, 16 lanes at a time.
+inline float largest_of(const float* values, int64_t n) {
+  f32x16 top = f32x16{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 v = load16(values + i);
+    top = v > top ? v : top;
+  }
+  float out = -std::numeric_limits<float>::infinity();
+  for (int e = 0; e < 16; ++e) out = std::max(out, top[e]);
+  for (; i < n; ++i) out = std::max(out, values[i]);
+  return out;
+}
+
+// One block of scores [qn, 64] (kn keys) into probabilities of the running softmax: query i sees
+// keys j <= i + diagonal of the block (masked ones become 0), scaled by `scale`; where a query's
+// largest score grows, its total and its accumulated values `acc` [qn, dv] shrink to match.
+inline void softmax_block(float* scores, int64_t qn, int64_t kn, int64_t diagonal, float scale,
+                          float* largest, float* total, float* acc, int64_t dv) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t i = 0; i < qn; ++i) {
+    float* row = scores + i * kBlock;
+    const int64_t seen = std::min(kn, diagonal + i + 1);  // keys this query sees
+    if (seen <= 0) {
+      std::fill(row, row + kn, 0.f);
+      continue;
+    }
+    for (int64_t j = 0; j < seen; ++j) row[j] *= scale;
+    std::fill(row + seen, row + kn, 0.f);
+    const float top = std::max(largest[i], largest_of(row, seen));
+    if (top > largest[i] && total[i] > 0.f) {
+      const float shrink = std::exp(largest[i] - top);
+      total[i] *= shrink;
+      for (int64_t d = 0; d < dv; ++d) acc[i * dv + d] *= shrink;
+    }
+    largest[i] = top;
+    total[i] += exp_shifted(row, seen, top);
   }
 }
 
@@ -429,9 +469,17 @@ void prefill_attention_kernel(const T* q, const int64_t* q_strides, const T* k,
                               float scale) {
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (n + kBlock - 1) / kBlock, offset = m - n;
+  const int64_t padded = (m + kBlock - 1) / kBlock * kBlock;
+  std::vector<float> keys_t(heads * dq * padded, 0.f);  // [heads][dq][padded]
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t d = 0; d < dq; ++d)
+          keys_t[(h * dq + d) * padded + j] = static_cast<float>(k[j * k_strides[0] + h * k_strides[1] + d]);
+  });
   at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(kBlock * dq), keys_t(dq * kBlock), scores(kBlock * kBlock),
-        acc(kBlock * dv), largest(kBlock), total(kBlock);
+    std::vector<float> query(kBlock * dq), scores(kBlock * kBlock), acc(kBlock * dv),
+        largest(kBlock), total(kBlock);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / blocks, q0 = task % blocks * kBlock;
       const int64_t qn = std::min(kBlock, n - q0);
@@ -444,26 +492,10 @@ void prefill_attention_kernel(const T* q, const int64_t* q_strides, const T* k,
       const int64_t keys = offset + q0 + qn;  // the last query's keys
       for (int64_t k0 = 0; k0 < keys; k0 += kBlock) {
         const int64_t kn = std::min(kBlock, keys - k0);
-        query_key_block(query.data(), qn, k + k0 * k_strides[0] + h * k_strides[1], k_strides[0],
-                        kn, dq, keys_t.data(), scores.data());
-        for (int64_t i = 0; i < qn; ++i) {
-          float* row = scores.data() + i * kBlock;
-          const int64_t seen = std::min(kn, offset + q0 + i + 1 - k0);  // keys this query sees
-          if (seen <= 0) {
-            std::fill(row, row + kn, 0.f);
-            continue;
-          }
-          for (int64_t j = 0; j < seen; ++j) row[j] *= scale;
-          std::fill(row + seen, row + kn, 0.f);
-          const float top = std::max(largest[i], *std::max_element(row, row + seen));
-          if (top > largest[i] && total[i] > 0.f) {
-            const float shrink = std::exp(largest[i] - top);
-            total[i] *= shrink;
-            for (int64_t d = 0; d < dv; ++d) acc[i * dv + d] *= shrink;
-          }
-          largest[i] = top;
-          total[i] += exp_shifted(row, seen, top);
-        }
+        query_key_block(query.data(), qn, keys_t.data() + h * dq * padded + k0, padded, dq,
+                        scores.data());
+        softmax_block(scores.data(), qn, kn, offset + q0 - k0, scale, largest.data(), total.data(),
+                      acc.data(), dv);
         weighted_rows(scores.data(), kBlock, qn, v + k0 * v_strides[0] + h * v_strides[1],
                       v_strides[0], static_cast<const int64_t*>(nullptr), kn, dv, acc.data(), dv);
       }
@@ -475,8 +507,162 @@ void prefill_attention_kernel(const T* q, const int64_t* q_strides, const T* k,
   });
 }
 
+#if defined(__AVX512BF16__)
+// The same attention for bfloat16 on AVX512-BF16: vdpbf16ps multiplies 16 pairs of bfloat16 and
+// adds both products to 16 floats, twice a float32 multiply-add's work per instruction and nothing
+// widened. A pair is one 32-bit lane: keys are packed once per head as pairs of adjacent
+// dimensions [dq / 2][keys], values as pairs of adjacent keys [keys / 2][dv], and each block's
+// probabilities are rounded to bfloat16 pairs before the value product (as torch's bfloat16
+// attention rounds them).
+
+// row[d] and row[d + 1] as one lane (0 past `width`)
+inline uint32_t pair_of(const c10::BFloat16* row, int64_t d, int64_t width) {
+  const uint32_t lo = d < width ? row[d].x : 0, hi = d + 1 < width ? row[d + 1].x : 0;
+  return lo | hi << 16;
+}
+
+inline __m512 dot_pairs(__m512 acc, uint32_t pair, __m512i lanes) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)lanes);
+}
+
+// scores[i * 64 + j] = query i . key j for qn query rows of `pairs` lanes and the 64 keys whose
+// lanes start at `keys` (one row of `key_stride` lanes per pair): 4 queries x 64 keys at a time.
+inline void query_key_pairs(const uint32_t* query, int64_t qn, const uint32_t* keys,
+                            int64_t key_stride, int64_t pairs, float* scores) {
+  for (int64_t i = 0; i < qn; i += 4) {
+    const uint32_t* q[4];
+    for (int64_t r = 0; r < 4; ++r) q[r] = query + std::min(i + r, qn - 1) * pairs;
+    __m512 acc[4][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t* kp = keys + p * key_stride;
+      const __m512i k0 = _mm512_loadu_si512(kp), k1 = _mm512_loadu_si512(kp + 16),
+                    k2 = _mm512_loadu_si512(kp + 32), k3 = _mm512_loadu_si512(kp + 48);
+      for (int r = 0; r < 4; ++r) {
+        acc[r][0] = dot_pairs(acc[r][0], q[r][p], k0);
+        acc[r][1] = dot_pairs(acc[r][1], q[r][p], k1);
+        acc[r][2] = dot_pairs(acc[r][2], q[r][p], k2);
+        acc[r][3] = dot_pairs(acc[r][3], q[r][p], k3);
+      }
+    }
+    for (int64_t r = 0; r < 4 && i + r < qn; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(scores + (i + r) * 64 + c * 16, acc[r][c]);
+  }
+}
+
+// acc[i][:width] += probabilities of query i (32 lanes at probs + i * 32) . the `pairs` lane rows
+// of values (stride value_stride) for ROWS queries x NV * 16 values at a time: 16 accumulators,
+// enough independent sums to hide the instruction's latency.
+template <int ROWS, int NV>
+inline void value_pairs(const uint32_t* probs, int64_t qn, const uint32_t* values,
+                        int64_t value_stride, int64_t pairs, float* acc, int64_t acc_stride,
+                        int64_t width) {
+  for (int64_t i = 0; i < qn; i += ROWS) {
+    const uint32_t* w[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) w[r] = probs + std::min(i + r, qn - 1) * 32;
+    __m512 sum[ROWS][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) sum[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512i v[NV];
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_si512(values + p * value_stride + c * 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) sum[r][c] = dot_pairs(sum[r][c], w[r][p], v[c]);
+    }
+    for (int64_t r = 0; r < ROWS && i + r < qn; ++r) {
+      float lanes[NV * 16];
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(lanes + c * 16, sum[r][c]);
+      float* o = acc + (i + r) * acc_stride;
+      for (int64_t e = 0; e < std::min<int64_t>(width, NV * 16); ++e) o[e] += lanes[e];
+    }
+  }
+}
+
+void prefill_attention_pairs(const c10::BFloat16* q, const int64_t* q_strides,
+                             const c10::BFloat16* k, const int64_t* k_strides,
+                             const c10::BFloat16* v, const int64_t* v_strides, c10::BFloat16* out,
+                             int64_t n, int64_t m, int64_t heads, int64_t dq, int64_t dv,
+                             float scale) {
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (n + kBlock - 1) / kBlock, offset = m - n;
+  const int64_t pairs = (dq + 1) / 2, padded = (m + kBlock - 1) / kBlock * kBlock;
+  const int64_t value_stride = (dv + 15) / 16 * 16;
+  // keys [heads][pairs][padded], values [heads][padded / 2][value_stride]; 0 where padded
+  std::vector<uint32_t> keys(heads * pairs * padded, 0), values(heads * padded / 2 * value_stride, 0);
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      uint32_t* kh = keys.data() + h * pairs * padded;
+      for (int64_t j = 0; j < m; ++j) {
+        const c10::BFloat16* row = k + j * k_strides[0] + h * k_strides[1];
+        for (int64_t p = 0; p < pairs; ++p) kh[p * padded + j] = pair_of(row, 2 * p, dq);
+      }
+      uint32_t* vh = values.data() + h * padded / 2 * value_stride;
+      for (int64_t j = 0; j < m; ++j) {
+        const c10::BFloat16* row = v + j * v_strides[0] + h * v_strides[1];
+        const int shift = j % 2 * 16;
+        for (int64_t d = 0; d < dv; ++d)
+          vh[j / 2 * value_stride + d] |= static_cast<uint32_t>(row[d].x) << shift;
+      }
+    }
+  });
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> query(kBlock * pairs), probs(kBlock * kBlock / 2);
+    std::vector<float> scores(kBlock * kBlock), acc(kBlock * dv), largest(kBlock), total(kBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks, q0 = task % blocks * kBlock;
+      const int64_t qn = std::min(kBlock, n - q0);
+      for (int64_t i = 0; i < qn; ++i)
+        for (int64_t p = 0; p < pairs; ++p)
+          query[i * pairs + p] = pair_of(q + (q0 + i) * q_strides[0] + h * q_strides[1], 2 * p, dq);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(largest.begin(), largest.end(), -std::numeric_limits<float>::infinity());
+      std::fill(total.begin(), total.end(), 0.f);
+      const uint32_t* kh = keys.data() + h * pairs * padded;
+      const uint32_t* vh = values.data() + h * padded / 2 * value_stride;
+      const int64_t last = offset + q0 + qn;  // the last query's keys
+      for (int64_t k0 = 0; k0 < last; k0 += kBlock) {
+        const int64_t kn = std::min(kBlock, last - k0);
+        query_key_pairs(query.data(), qn, kh + k0, padded, pairs, scores.data());
+        softmax_block(scores.data(), qn, kn, offset + q0 - k0, scale, largest.data(), total.data(),
+                      acc.data(), dv);
+        for (int64_t i = 0; i < qn; ++i) {  // keys past kn are real keys of no query here
+          float* row = scores.data() + i * kBlock;
+          std::fill(row + kn, row + kBlock, 0.f);
+          for (int c = 0; c < 2; ++c)
+            _mm512_storeu_si512(probs.data() + i * 32 + c * 16,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c * 32 + 16),
+                                                             _mm512_loadu_ps(row + c * 32)));
+        }
+        const int64_t key_pairs = (kn + 1) / 2;
+        const uint32_t* vk = vh + k0 / 2 * value_stride;
+        const uint32_t* pp = probs.data();
+        int64_t c0 = 0;
+        for (; c0 + 64 <= value_stride; c0 += 64)
+          value_pairs<4, 4>(pp, qn, vk + c0, value_stride, key_pairs, acc.data() + c0, dv, dv - c0);
+        if (c0 + 32 <= value_stride) {
+          value_pairs<8, 2>(pp, qn, vk + c0, value_stride, key_pairs, acc.data() + c0, dv, dv - c0);
+          c0 += 32;
+        }
+        if (c0 < value_stride)
+          value_pairs<16, 1>(pp, qn, vk + c0, value_stride, key_pairs, acc.data() + c0, dv, dv - c0);
+      }
+      for (int64_t i = 0; i < qn; ++i) {
+        c10::BFloat16* o = out + ((q0 + i) * heads + h) * dv;
+        for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<c10::BFloat16>(acc[i * dv + d] / total[i]);
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             double scale) {
+                             double scale, bool bf16_pairs) {
   for (auto* t : {&q, &k, &v}) check_cpu(*t, "prefill_attention's tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
                   k.stride(2) == 1 && v.stride(2) == 1,
@@ -492,6 +678,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   if (n == 0) return out;
   const int64_t qs[2] = {q.stride(0), q.stride(1)}, ks[2] = {k.stride(0), k.stride(1)},
                 vs[2] = {v.stride(0), v.stride(1)};
+#if defined(__AVX512BF16__)
+  if (bf16_pairs && q.scalar_type() == at::kBFloat16) {
+    prefill_attention_pairs(q.data_ptr<c10::BFloat16>(), qs, k.data_ptr<c10::BFloat16>(), ks,
+                            v.data_ptr<c10::BFloat16>(), vs, out.data_ptr<c10::BFloat16>(), n, m,
+                            heads, dq, dv, static_cast<float>(scale));
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
     prefill_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), qs, k.data_ptr<scalar_t>(), ks,
                                        v.data_ptr<scalar_t>(), vs, out.data_ptr<scalar_t>(), n, m,
@@ -791,7 +985,7 @@ TORCH_LIBRARY(moeinfra, m) {
   m.def(
       "mla_decode(Tensor q_nope, Tensor q_pe, Tensor w_uk, Tensor w_uv_t, Tensor store, "
       "Tensor slots, Tensor lengths, float scale, ScalarType out_dtype) -> Tensor");
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool bf16_pairs=True) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "expert_rows(Tensor rows, Tensor slots, Tensor w13, Tensor w2, float? limit, "
