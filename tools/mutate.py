@@ -101,7 +101,21 @@ TARGETS = {
         ),
     ),
     "serving": Target(
-        ("perfmodel", "deepep", "kernels", "simulate", "schedule", "cost"),
+        (
+            "perfmodel/step",
+            "perfmodel/roofline",
+            "perfmodel/all_to_all",
+            "perfmodel/indexer",
+            "perfmodel/memory",
+            "perfmodel/deepseek_v3",
+            "perfmodel/deepseek_v32",
+            "perfmodel/deepseek_v4",
+            "deepep",
+            "kernels",
+            "simulate",
+            "schedule",
+            "cost",
+        ),
         (
             "test_model",
             "test_deepep",

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from moeinfra.errors import InputError
 from moeinfra.serving.cost import R1_PRICES, Prices, fleet_cost_usd, margin, revenue_usd
 from moeinfra.serving.perfmodel import PerfModel
+from moeinfra.serving.perfmodel.deepseek_v3 import mla_projections
 from moeinfra.serving.specs import (
     DEEPSEEK_V3,
     HARDWARE,
@@ -244,7 +245,7 @@ def test_decode_gemm_curves_match_the_exact_gemm_model(batch):
     attn_proj, _, shared, routed, *_ = decode._decode_parts(batch, 0.0)
     parts = {"attn_proj": attn_proj, "shared": shared, "routed": routed}
     exact = {
-        "attn_proj": decode._mla_projections(nb, nb),
+        "attn_proj": mla_projections(decode, nb, nb),
         "shared": decode._experts("", nb, 1),
         "routed": decode._experts("_masked", decode._rows_per_expert(nb), decode._slots),
     }

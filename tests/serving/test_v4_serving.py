@@ -14,6 +14,7 @@ from moeinfra.errors import InputError
 from moeinfra.serving.arch import CSA, HCA, SLIDING, published
 from moeinfra.serving.calibration import load_calibration
 from moeinfra.serving.perfmodel import INDEXER, PerfModel
+from moeinfra.serving.perfmodel.deepseek_v4 import layer as v4_layer
 from moeinfra.serving.planner import candidate_shapes
 from moeinfra.serving.specs import (
     Deployment,
@@ -177,8 +178,8 @@ def test_a_prefill_micro_batch_reads_the_cache_once_and_a_decode_query_its_reque
     assert float(p.prefill_key_tokens(n, n / 2)) == n
     assert float(p.prefill_key_tokens(n, 1000 + n / 2, cached_per_token=1000 / n)) == n + 1000
     seen = index_logits_work
-    p._v4_layer(CSA, n, context)
-    p._v4_layer(CSA, 16, context, requests=8)  # decode: 8 requests, 2 queries each
+    v4_layer(p, CSA, n, context)
+    v4_layer(p, CSA, 16, context, requests=8)  # decode: 8 requests, 2 queries each
     flops, prefill_bytes = seen[0]
     assert flops == 2 * 64 * 128 * n * (context / 4)
     assert prefill_bytes == tokens / 4 * 68 + 4 * n * (context / 4)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moeinfra.serving.perfmodel import COMBINE_BYTES_PER_TOKEN, DISPATCH_BYTES_PER_TOKEN, PerfModel
+from moeinfra.serving.perfmodel.deepseek_v3 import mla_projections
 from moeinfra.serving.specs import Deployment, hardware
 
 H800 = hardware("h800")
@@ -249,7 +250,7 @@ def test_plain_gemms_run_at_deepgemms_best_rate_and_mla_down_has_v3s_width():
         ("attn_out", 7168, 128 * 128),
     ]
     expected = sum(perf._deepgemm(role, 1024, n, k) for role, n, k in shapes)
-    assert perf._mla_projections(1024, 1024) == pytest.approx(expected, rel=1e-12)
+    assert mla_projections(perf, 1024, 1024) == pytest.approx(expected, rel=1e-12)
 
 
 def test_the_decode_gate_is_a_gemm_over_every_routed_expert():

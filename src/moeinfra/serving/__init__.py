@@ -5,7 +5,9 @@
 * :mod:`~moeinfra.serving.specs` — :class:`ModelSpec` (DeepSeek-V3 and V3.2 from their published
   configs: :data:`MODELS`), :class:`HardwareSpec`, :class:`Deployment` and their presets; the
   expert imbalance of a unit from an EPLB plan.
-* :mod:`~moeinfra.serving.perfmodel` — per-layer, per-step time of a unit (:class:`PerfModel`).
+* :mod:`~moeinfra.serving.perfmodel` — per-layer, per-step time of a unit (:class:`PerfModel`):
+  the step model every architecture shares, and each architecture's cost terms in a module of
+  its own.
 * :mod:`~moeinfra.serving.workload` — :class:`Workload`, the day generator and trace replay.
 * :mod:`~moeinfra.serving.balancers` — prefill/decode load balancers and their baselines.
 * :mod:`~moeinfra.serving.schedule` — units over time (DeepSeek's node curve, target utilisation).

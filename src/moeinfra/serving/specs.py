@@ -217,6 +217,14 @@ class ModelSpec:
         return self.index_topk > 0
 
     @property
+    def model_type(self) -> str:
+        """``config.json``'s ``model_type`` of this architecture: ``deepseek_v4``,
+        ``deepseek_v32`` (V3's shape with sparse attention) or ``deepseek_v3``."""
+        if self.arch is not None:
+            return self.arch.model_type
+        return "deepseek_v32" if self.sparse else "deepseek_v3"
+
+    @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
 
