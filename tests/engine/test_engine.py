@@ -224,6 +224,15 @@ def test_redundant_slots_must_divide_over_ranks(tiny_path):
         EngineCore(tiny_path, EngineConfig(redundant_experts=1), comm=TwoRanks())
 
 
+@pytest.mark.timeout(90)
+def test_a_spawned_unit_whose_rank_fails_names_the_rank_and_its_error(tiny_path):
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match=r"(?s)engine: rank \d of 2 failed.*16 experts \+ re"):
+        LLM(tiny_path, ranks=2, redundant_experts=1, timeout_s=60)
+    assert not multiprocessing.active_children()
+
+
 def _stream_and_abort(llm, prompt_ids):
     """Stream every prompt; abort request 0 after its first token. Returns (deltas, aborted id)."""
     deltas: dict[int, list] = {}

@@ -7,14 +7,10 @@ reference itself and compare its own part. A check returns None when it passes, 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from . import deepseek_convention
@@ -347,67 +343,25 @@ CHECKS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, names: list[str], queue) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        for name in names:
-            try:
-                err = CHECKS[name]()
-            except Exception:  # report, do not hang the others
-                err = traceback.format_exc(limit=4)
-            queue.put((rank, name, err))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_checks(names: list[str]) -> dict[str, str | None]:
+    """Run ``names`` on this rank, in step with the others; ``{check: error or None}``."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = CHECKS[name]()
+        except Exception:  # report, do not hang the others
+            results[name] = traceback.format_exc(limit=4)
+        dist.barrier()
+    return results
 
 
 def run_checks(world: int, names: list[str], timeout_s: float = 60.0) -> dict[str, list[str]]:
     """Run ``names`` on ``world`` spawned ranks; return ``{check: [failure messages]}`` (empty = pass)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, names, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[str, list[str]] = {n: [] for n in names}
-    seen = 0
-    import queue as queue_mod
-    import time
+    from moeinfra.moe.launch import launch
 
-    deadline = time.monotonic() + timeout_s
-    try:
-        while seen < world * len(names):
-            try:
-                rank, name, err = queue.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                raise TimeoutError(
-                    f"{world}-rank checks timed out after {timeout_s}s ({seen} results)"
-                ) from None
-            seen += 1
+    results: dict[str, list[str]] = {n: [] for n in names}
+    for rank, errors in enumerate(launch(world, _rank_checks, (names,), timeout_s=timeout_s)):
+        for name, err in errors.items():
             if err:
                 results[name].append(f"rank {rank}: {err}")
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
     return results

@@ -6,7 +6,9 @@ socket under a shared secret (``--secret-file``), as across real hosts. A rank k
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,14 @@ import httpx
 from tests.server.conftest import ServerProcess, metric, wait_until
 
 from moeinfra.engine import LLM, SamplingParams
-from moeinfra.moe.launch import free_port
+
+
+def _free_port() -> int:
+    """A port free now for the unit's rendezvous, which node 0 binds and node 1 must know
+    beforehand (it may be taken in between: ``serve unit`` does not say a port it picked)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _unit(control: str, model, *args: str) -> subprocess.Popen:
@@ -29,13 +38,12 @@ def _unit(control: str, model, *args: str) -> subprocess.Popen:
 def test_a_decode_unit_spanning_two_hosts_serves_as_one_engine_and_restarts_as_one(
     tiny_bpe, tmp_path
 ):
-    control = f"tcp://127.0.0.1:{free_port()}"
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
-    srv = ServerProcess(["--model", str(tiny_bpe), "--control", control,
-                         "--prefill-units", "0", "--decode-units", "0",
+    srv = ServerProcess(["--model", str(tiny_bpe), "--prefill-units", "0", "--decode-units", "0",
                          "--secret-file", str(secret)])  # fmt: skip
-    meet = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    control = re.search(r"control (tcp://\S+?)\)", "".join(srv.log)).group(1)  # it bound port 0
+    meet = ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     span = ["--role", "decode", "--ranks", "2", "--nproc-per-node", "1", "--unit-id", "decode-x",
             "--max-restarts", "1"]  # fmt: skip
     held = ["--secret-file", str(secret)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,8 +14,6 @@ import time
 
 import httpx
 from tests.server.conftest import ServerProcess, metric, wait_until
-
-from moeinfra.moe.launch import free_port
 
 BODY = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -27,6 +26,11 @@ def _unit(control: str, model, unit_id: str, role: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
+
+
+def _control(srv: ServerProcess) -> str:
+    """The control address the server bound (``--control`` is on port 0 unless given)."""
+    return re.search(r"control (tcp://\S+?)\)", "".join(srv.log)).group(1)
 
 
 def _units(url: str) -> dict:
@@ -61,9 +65,9 @@ def _stop(*procs: subprocess.Popen) -> None:
 def test_a_unit_restarted_under_its_id_serves_again_and_a_second_start_replaces_the_first(
     tiny_bpe,
 ):
-    control = f"tcp://127.0.0.1:{free_port()}"
-    srv = ServerProcess(["--model", str(tiny_bpe), "--control", control,
-                         "--prefill-units", "0", "--decode-units", "0"])  # fmt: skip
+    srv = ServerProcess(["--model", str(tiny_bpe), "--prefill-units", "0",
+                         "--decode-units", "0"])  # fmt: skip
+    control = _control(srv)
     prefill = _unit(control, tiny_bpe, "p", "prefill")
     decode = _unit(control, tiny_bpe, "d", "decode")
     restarted = second = None
@@ -94,10 +98,10 @@ def test_a_unit_restarted_under_its_id_serves_again_and_a_second_start_replaces_
 def test_an_api_server_restarted_under_its_units_serves_again_within_10_s(tiny_bpe):
     """The units re-announce themselves to the new server; the stream in flight at the crash
     ends at the client, and the unit drops it once the new server tells it to rejoin."""
-    control = f"tcp://127.0.0.1:{free_port()}"
-    args = ["--model", str(tiny_bpe), "--control", control, "--prefill-units", "0",
-            "--decode-units", "0"]  # fmt: skip
+    args = ["--model", str(tiny_bpe), "--prefill-units", "0", "--decode-units", "0"]
     srv = ServerProcess(args)
+    control = _control(srv)
+    args += ["--control", control]  # the restarted server binds the address the units know
     prefill = _unit(control, tiny_bpe, "p", "prefill")
     decode = _unit(control, tiny_bpe, "d", "decode")
     again = None

@@ -1,8 +1,9 @@
 """``LLM``: the offline API in vLLM's shape — ``LLM(model, ranks).generate(prompts, params)``.
 
 ``ranks=1`` runs the engine in this process. ``ranks=R > 1`` spawns ``R`` ranks on
-``torch.distributed`` (gloo on a free local port) that form one unit: data-parallel attention (each
-prompt goes to the rank with the fewest outstanding tokens and lives there), expert-parallel MoE.
+``torch.distributed`` that form one unit (:mod:`moeinfra.launcher` starts and watches them):
+data-parallel attention (each prompt goes to the rank with the fewest outstanding tokens and lives
+there), expert-parallel MoE.
 Inside a ``torchrun`` job (the default process group already initialised), every rank creates its
 ``LLM`` with the same arguments and calls ``generate`` with the same prompts; each rank runs every
 ``world``-th prompt and every rank returns all results.
@@ -10,6 +11,7 @@ Inside a ``torchrun`` job (the default process group already initialised), every
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -72,7 +74,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir)
         self.timeout_s = timeout_s
         self._ids = itertools.count()
-        self._procs: list = []
+        self._ranks = None  # a spawned unit's ranks (moeinfra.launcher.Ranks)
         self._core: EngineCore | None = None
         self._owner: dict[str, int] = {}  # request id -> rank, for a spawned unit
         self._aborted: list[StepOutput] = []
@@ -97,30 +99,18 @@ class LLM:
     def _spawn(self, ranks: int, comm_delay_s: float) -> None:
         import torch.multiprocessing as mp
 
-        from moeinfra.moe.launch import serve_store
+        from moeinfra.launcher import Ranks
 
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(ranks)]
-        self._store = serve_store()  # the ranks meet there (and make their groups there)
-        for rank in range(ranks):
-            proc = ctx.Process(
-                target=worker_main,
-                args=(
-                    rank,
-                    ranks,
-                    self._store.port,
-                    str(self.model_dir),
-                    self.config,
-                    comm_delay_s,
-                    self._inboxes[rank],
-                    self._outbox,
-                    max(30.0, self.timeout_s),
-                ),
-                daemon=True,
-            )
-            proc.start()
-            self._procs.append(proc)
+        common = (str(self.model_dir), self.config, comm_delay_s)
+        timeout = max(30.0, self.timeout_s)
+        self._ranks = Ranks(
+            worker_main,
+            [(*common, inbox, self._outbox, timeout) for inbox in self._inboxes],
+            name="engine",
+        )
         ready = 0
         while ready < ranks:
             message = self._receive()
@@ -128,35 +118,38 @@ class LLM:
                 ready += 1
 
     def _receive(self):
+        """The next message of a spawned unit's ranks; raises (and stops them) when one failed
+        or nothing came in ``timeout_s``."""
         import queue
+
+        from moeinfra.launcher import RankFailed
 
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                message = self._outbox.get(timeout=0.5)
+                return self._outbox.get(timeout=0.5)
             except queue.Empty:
-                dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    self.shutdown()
-                    what = f"ranks {dead} exited" if dead else f"no answer in {self.timeout_s} s"
-                    raise RuntimeError(f"engine unit failed: {what}") from None
-                continue
-            if message[0] == "error":
+                pass
+            try:
+                ended = self._ranks.poll() is not None
+            except RankFailed:
                 self.shutdown()
-                raise RuntimeError(f"engine rank {message[1]} failed:\n{message[2]}")
-            return message
+                raise
+            if ended or time.monotonic() > deadline:
+                self.shutdown()
+                what = "its ranks exited" if ended else f"no answer in {self.timeout_s} s"
+                raise RuntimeError(f"engine unit failed: {what}")
 
     def shutdown(self) -> None:
         """Stop the unit's ranks (idempotent)."""
-        for inbox in getattr(self, "_inboxes", []):
-            inbox.put(("shutdown",))
-        for proc in self._procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        self._procs = []
-        self._inboxes = []
+        if self._ranks is not None:
+            for inbox in self._inboxes:
+                inbox.put(("shutdown",))
+            with contextlib.suppress(RuntimeError, TimeoutError):  # stopped either way
+                self._ranks.wait(timeout_s=10)
+            self._ranks.close()
+            self._ranks = None
+            self._inboxes = []
         if self._core is not None:
             self._core.comm.close()
 
@@ -250,7 +243,7 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request of a running :meth:`stream` and free its KV blocks."""
-        if self._procs:
+        if self._ranks is not None:
             rank = self._owner.get(request_id)
             if rank is not None:
                 self._inboxes[rank].put(("abort", request_id))
@@ -285,7 +278,9 @@ class LLM:
         core = self._core
         mine = requests if core is None else requests[core.comm.rank :: core.comm.world_size]
         pending = {rid for rid, *_ in mine}
-        outputs = self._outputs_spawned(mine) if self._procs else self._outputs_local(mine)
+        outputs = (
+            self._outputs_spawned(mine) if self._ranks is not None else self._outputs_local(mine)
+        )
         try:
             for out in outputs:
                 if out.request_id not in pending:
@@ -330,7 +325,7 @@ class LLM:
 
     def rebalance(self) -> None:
         """Re-place the unit's experts from recent loads before its next step."""
-        if self._procs:
+        if self._ranks is not None:
             for inbox in self._inboxes:
                 inbox.put(("rebalance",))
         elif self._core is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import queue
-import traceback
 from collections.abc import Callable, Iterator
 
 import torch
@@ -55,27 +54,25 @@ def worker_main(
     outbox,
     collective_timeout_s: float,
 ) -> None:
-    """A spawned rank: messages in ``inbox`` are ``("add", request_id, prompt_ids, params)``,
-    ``("abort", request_id)``, ``("rebalance",)``, ``("shutdown",)``; it puts ``("ready", rank)``,
-    ``("out", rank, [StepOutput])`` and, on failure, ``("error", rank, traceback)`` in ``outbox``."""
+    """A rank of a :class:`~moeinfra.launcher.Ranks` group: messages in ``inbox`` are ``("add",
+    request_id, prompt_ids, params)``, ``("abort", request_id)``, ``("rebalance",)``,
+    ``("shutdown",)``; it puts ``("ready", rank)`` and ``("out", rank, [StepOutput])`` in
+    ``outbox``. An error ends the process (the launcher reports it and stops the other ranks)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    from moeinfra.launcher import join_group
     from moeinfra.moe.comm import Communicator
-    from moeinfra.moe.launch import join_group
 
-    try:
-        device = place_rank(config.device, rank)
-        join_group(store_port, rank, world, collective_backend(device), collective_timeout_s)
-        comm = Communicator(delay_s=comm_delay_s)
-        try:
-            core = EngineCore(model_dir, config, comm)
-            outbox.put(("ready", rank))
-            _serve(core, inbox, outbox)
-        finally:
-            comm.close()
-            dist.destroy_process_group()
-    except BaseException:
-        outbox.put(("error", rank, traceback.format_exc(limit=8)))
+    device = place_rank(config.device, rank)
+    join_group(store_port, rank, world, collective_backend(device), collective_timeout_s)
+    comm = Communicator(delay_s=comm_delay_s)
+    core = EngineCore(model_dir, config, comm)
+    outbox.put(("ready", rank))
+    _serve(core, inbox, outbox)
+    # only after a clean stop: the group of a failed rank stays up until its process ends, so
+    # its error is recorded before a peer's broken collective
+    comm.close()
+    dist.destroy_process_group()
 
 
 IDLE_WAIT_S = (0.001, 0.01)  # an idle rank waits for messages this long, doubling while idle
