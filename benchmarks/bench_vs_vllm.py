@@ -9,7 +9,8 @@ through a wrapper that answers ``importlib.metadata.version("vllm")`` with ``vll
 (the CLI asks for the package by the GPU build's name) with ``VLLM_TARGET_DEVICE=cpu``.
 
 Same cores: every system's processes run under ``taskset -c CORES`` (``--cores``, default the
-cores this process may use) with ``OMP_NUM_THREADS`` their count, and vLLM is told to use them
+cores this process may use) with ``OMP_NUM_THREADS`` their count (a served moeinfra layout's
+ranks share them, ``serve up``'s default), and vLLM is told to use them
 all: ``VLLM_CPU_OMP_THREADS_BIND=CORES`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (by default it
 reserves one core of two and pins its worker to the other, overriding ``OMP_NUM_THREADS``). Each
 system's CPU use (mean and peak, % of one core, process and children) is recorded beside its
@@ -235,6 +236,9 @@ def served_once(
         cmd = [str(ROOT / ".venv" / "bin" / "moeinfra"), "serve", "up", "--model", str(path),
                "--port", str(port), "--served-model-name", name, "--dtype", dtype, *layout]  # fmt: skip
         env = system_env("moeinfra", "small", cores)
+        # the layout's ranks share the cores (serve up's default): OMP_NUM_THREADS would give
+        # each of the disaggregated layout's four ranks all of them
+        env.pop("OMP_NUM_THREADS")
     log = open(tmp / f"server-{kind}.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(pinned(cmd, cores), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -103,8 +103,28 @@ def test_ranks_share_the_hosts_cores_unless_omp_num_threads_says(monkeypatch, tm
     assert local_ranks(colocated) == 1
     scaling = ServeOptions(autoscale=AutoscalePolicy((1, 3), (1, 2), 10.0, 0.7))
     assert local_ranks(scaling) == 3 * 2 + 2 * 2
+
     cmd = unit_command("decode", 2, "tcp://127.0.0.1:1", ServeOptions(cpu_threads=5), tmp_path)
     assert cmd[cmd.index("--cpu-threads") + 1] == "5"
+
+
+def test_serve_up_warns_when_its_ranks_threads_outnumber_the_cores(monkeypatch):
+    """Four local ranks of 2 threads (``OMP_NUM_THREADS=2``, as a benchmark pinned to 2 cores set
+    it) on 2 cores: one line names the counts and the way out; sharing the cores, none."""
+    from moeinfra.server import launch, unit
+    from moeinfra.server.launch import ServeOptions, oversubscription_note
+
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(unit.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    note = oversubscription_note(ServeOptions())
+    assert "4 local ranks x 2 CPU threads each on 2 cores" in note and "oversubscribed" in note
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert oversubscription_note(ServeOptions()) is None  # one thread a rank: all it can do
+    colocated = ServeOptions(
+        prefill_units=0, decode_units=0, colocated_units=1, colocated_ranks=1, cpu_threads=2
+    )
+    assert oversubscription_note(colocated) is None
 
 
 def test_units_share_the_hosts_memory_and_max_model_len_fits_their_caches(tmp_path):

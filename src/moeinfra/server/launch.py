@@ -313,6 +313,29 @@ def local_ranks(options: ServeOptions) -> int:
     return sum(n * getattr(options, f"{role}_ranks") for role, n in count.items())
 
 
+def oversubscription_note(options: ServeOptions) -> str | None:
+    """A warning when this host's ranks run more CPU threads than it lets this process use (each
+    rank's ``--cpu-threads`` or ``OMP_NUM_THREADS`` times the local ranks) and fewer threads a
+    rank would fit; None otherwise or on a GPU. Threads that outnumber the cores wait for each other: on 2 cores, four ranks of 2
+    threads each served a burst at a sixth of the output tokens/s of four ranks of one."""
+    from moeinfra.engine.device import resolve_device
+    from moeinfra.server.unit import threads_per_rank
+
+    if resolve_device(options.engine.device).type != "cpu":
+        return None
+    ranks = local_ranks(options)
+    threads = options.cpu_threads or threads_per_rank(ranks)
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores = len(usable) if usable is not None else os.cpu_count() or 1
+    if ranks * threads <= cores or threads <= max(1, cores // max(ranks, 1)):
+        return None  # within the cores, or already one thread a rank
+    return (
+        f"moeinfra serve: {ranks} local ranks x {threads} CPU threads each on {cores} cores "
+        "(--cpu-threads or OMP_NUM_THREADS): oversubscribed, steps will be slow; leave both "
+        "unset to share the cores among the ranks"
+    )
+
+
 def serve(options: ServeOptions, announce=print) -> int:
     """Run the server until SIGINT/SIGTERM; returns an exit code. ``announce(line)`` gets the
     ready line (with the real port) and the shutdown summary."""
@@ -437,6 +460,8 @@ def serve(options: ServeOptions, announce=print) -> int:
             scaler = asyncio.create_task(autoscaler.run())
         units = ", ".join(f"{u.role} {u.unit_id} x{u.num_ranks}" for u in router.units.values())
         announce(f"moeinfra serve: this host's CPU: {cpu_features.detect().describe()}")
+        if (note := oversubscription_note(options)) is not None:
+            announce(note)
         announce(
             f"moeinfra serve: ready at http://{options.host}:{port}/v1 (model {name}; units: "
             f"{units or 'none yet'}; control {router.control_address})"
