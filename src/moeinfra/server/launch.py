@@ -317,7 +317,7 @@ def oversubscription_note(options: ServeOptions) -> str | None:
     """A warning when this host's ranks run more CPU threads than it lets this process use (each
     rank's ``--cpu-threads`` or ``OMP_NUM_THREADS`` times the local ranks) and fewer threads a
     rank would fit; None otherwise or on a GPU. Threads that outnumber the cores wait for each other: on 2 cores, four ranks of 2
-    threads each served a burst at a sixth of the output tokens/s of four ranks of one."""
+    threads each served a burst at a seventh of the output tokens/s of four ranks of one."""
     from moeinfra.engine.device import resolve_device
     from moeinfra.server.unit import threads_per_rank
 
