@@ -319,14 +319,13 @@ def oversubscription_note(options: ServeOptions) -> str | None:
     rank would fit; None otherwise or on a GPU. Threads that outnumber the cores wait for each other: on 2 cores, four ranks of 2
     threads each served a burst at a seventh of the output tokens/s of four ranks of one."""
     from moeinfra.engine.device import resolve_device
-    from moeinfra.server.unit import threads_per_rank
+    from moeinfra.server.unit import threads_per_rank, usable_cores
 
     if resolve_device(options.engine.device).type != "cpu":
         return None
     ranks = local_ranks(options)
     threads = options.cpu_threads or threads_per_rank(ranks)
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores = len(usable) if usable is not None else os.cpu_count() or 1
+    cores = usable_cores()
     if ranks * threads <= cores or threads <= max(1, cores // max(ranks, 1)):
         return None  # within the cores, or already one thread a rank
     return (

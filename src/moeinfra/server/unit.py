@@ -76,9 +76,13 @@ def threads_per_rank(ranks_here: int) -> int:
     steps took 1.7x as long (2,048 tokens, 210 vs 125 ms)."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]):
         return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, usable_cores() // max(ranks_here, 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: ``taskset``, a container's cpuset)."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores = len(usable) if usable is not None else os.cpu_count() or 1
-    return max(1, cores // max(ranks_here, 1))
+    return len(usable) if usable is not None else os.cpu_count() or 1
 
 
 def address_toward(server: str) -> str:
