@@ -233,9 +233,7 @@ def paged_mla_attention(
     width = mla.config.kv_lora_rank + mla.config.qk_rope_head_dim
     store = cached[:, :width] if sparse else cached
     if not plan.chunks and not plan.sparse and not plan.short:  # decode only: rows in order
-        if _fused_decode(mla, latent, store, plan.decode_slots) and cpu_kernels.usable(
-            store, latent.q_nope, latent.q_pe, mla.wkv_b.weight
-        ):
+        if cpu_kernels.usable(store, latent.q_nope, latent.q_pe, mla.wkv_b.weight):
             return fused_decode_attention(mla, latent, store, plan)
         query = latent_query(mla, latent, decode_dtype(mla, latent, store, plan.decode_slots))
         return decode_attention(mla, query, store, plan.decode_slots, plan.decode_mask)
@@ -245,9 +243,7 @@ def paged_mla_attention(
     if plan.decode_rows.numel():
         rows = plan.decode_rows
         decoding = _rows_of(latent, rows)
-        if _fused_decode(mla, decoding, store, plan.decode_slots) and cpu_kernels.usable(
-            store, latent.q_nope, latent.q_pe, mla.wkv_b.weight
-        ):
+        if cpu_kernels.usable(store, latent.q_nope, latent.q_pe, mla.wkv_b.weight):
             part = fused_decode_attention(mla, decoding, store, plan)
         else:
             query = latent_query(mla, decoding)
@@ -317,27 +313,6 @@ def _small_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Te
     return mla.heads * (projections + scores_and_values) <= FLOAT32_DECODE_MACS
 
 
-# Cache row width (latent + RoPE key) from which a decode step of any size attends through the
-# fused kernel: its 4 x 4 tiles of dot products pay over wide rows — DeepSeek-V3's 576, 16 heads,
-# 16 requests over ~640 tokens in float32: 12 vs 35 ms a layer (the torch path gathers the
-# contexts first); a bfloat16 batch of 16 requests of the latent benchmark checkpoint 300 -> ~400
-# tokens/s — while over the small benchmark checkpoint's 96 the torch path's batched matmuls are
-# faster from ~128 requests (float32: 917 vs 845 tok/s). 2 threads, AVX-512.
-FUSED_DECODE_WIDTH = 256
-
-
-def _fused_decode(mla: MLA, latent: Latent, store: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Whether a step's decode rows (``latent``'s) attend through :func:`fused_decode_attention`: a
-    few (:func:`_small_decode`) or any number over cache rows from :data:`FUSED_DECODE_WIDTH` wide;
-    a larger one over narrower rows only in half precision on a CPU without oneDNN's half
-    precision (where the torch path's half-precision matmuls are torch's slow fallback)."""
-    if _small_decode(mla, latent, store, slots):
-        return True
-    if mla.config.kv_lora_rank + mla.config.qk_rope_head_dim >= FUSED_DECODE_WIDTH:
-        return True
-    return store.dtype != torch.float32 and not cpu_features.onednn_packs(store.dtype)
-
-
 def fused_decode_attention(
     mla: MLA, latent: Latent, store: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
@@ -346,7 +321,12 @@ def fused_decode_attention(
     in place from ``store`` (no gathered copy, no mask), the four products in float32 (as
     :func:`decode_dtype` has a small half-precision step compute), ``wo`` in the model's dtype.
     One request over 320 tokens of the small benchmark checkpoint, attention and ``wo``: 41 vs 78
-    us in float32, 56 vs 96 in bfloat16 (2 threads); 8 requests ~157 vs ~238 and ~165 vs ~181."""
+    us in float32, 56 vs 96 in bfloat16 (2 threads); 8 requests ~157 vs ~238 and ~165 vs ~181.
+    Every CPU step's decode rows take it, whatever their number and the cache rows' width: a
+    decode step's forward of the small checkpoint (96-wide rows), 32 requests over ~190 tokens,
+    11.7 -> 9.4 ms in float32 and 9.2 -> 7.9 in bfloat16; 128 requests 21.3 -> 16.8 (float32);
+    16 requests over ~1,100 tokens 18.7 -> 12.3 (float32) and 15.8 -> 9.0 (bfloat16) against the
+    torch path (2 threads, AVX-512)."""
     w_uk, w_uv_t = mla.absorbed_weights(torch.float32)
     out = torch.ops.moeinfra.mla_decode(
         latent.q_nope,
