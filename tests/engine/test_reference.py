@@ -57,6 +57,48 @@ def test_long_prompt_chunks_attend_expanded_and_match_transformers(tiny_path, hf
     assert (ours - ref).abs().max() < LOGIT_TOL
 
 
+def test_whole_prompts_of_one_step_share_projections_and_match_transformers(
+    tiny_path, hf_model, monkeypatch
+):
+    """Whole prompts past the threshold in one step attend through one ``wkv_b`` and one ``wo``
+    over all their rows (the CPU's batched prefill); a shorter prompt and a continued chunk
+    beside them attend on their own. Every prompt's logits match transformers."""
+    from moeinfra.engine import attention
+    from moeinfra.engine.attention import expanded_attention_threshold
+
+    batched = []
+    shared = attention._fresh_chunks_attention
+    monkeypatch.setattr(
+        attention,
+        "_fresh_chunks_attention",
+        lambda mla, latent, chunks, out: (
+            batched.append(len(chunks)) or shared(mla, latent, chunks, out)
+        ),
+    )
+    arch, config, model = one_rank_model(tiny_path)
+    threshold = expanded_attention_threshold(model.dense[0].attn)
+    lengths = (90, 130, 20, 110)
+    prompts = [
+        [(k * i + 5) % 1000 + 3 for i in range(n)]
+        for k, n in zip((7, 11, 13, 17), lengths, strict=True)
+    ]
+    assert min(lengths[:2] + lengths[3:]) > threshold > lengths[2]
+    cache = PagedKVCache(arch.kv_layout(config, torch.float32, 4), 160, 4)
+    step = StepCache(
+        cache, {s: StepCache.slots_of(list(range(40 * s, 40 * s + 40)), 4) for s in range(4)}
+    )
+    # prompt 3 has its first 30 tokens cached already: its chunk reads them back
+    model(torch.tensor(prompts[3][:30]), [Segment(3, 0, 30)], step, "none")
+    segments = [Segment(s, 0, n) for s, n in enumerate(lengths[:3])] + [Segment(3, 30, 80)]
+    ids = torch.tensor(prompts[0] + prompts[1] + prompts[2] + prompts[3][30:])
+    ours = model.logits(model(ids, segments, step, "none")).split([90, 130, 20, 80])
+    assert batched and all(n == 2 for n in batched)
+    for prompt, mine, skip in zip(prompts, ours, (0, 0, 0, 30), strict=True):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0, skip:]
+        assert (mine - ref).abs().max() < LOGIT_TOL
+
+
 def test_decode_attention_in_request_groups_equals_transformers(
     tiny_path, prompt_ids, reference, monkeypatch
 ):

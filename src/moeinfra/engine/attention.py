@@ -7,7 +7,8 @@ the CPU mostly one fused kernel reading the cache's slots, :func:`moeinfra.moe.c
 ``mla_decode``, also for the decode rows of a step that carries prefill chunks); longer
 segments (prefill chunks) are attended one by one, a long one with per-head keys and values expanded
 from its context (:func:`expanded_attention`, cheaper than the absorbed form past
-:func:`expanded_attention_threshold` queries). Which slots to write and gather depends only on the segments, so it
+:func:`expanded_attention_threshold` queries; the prompts a step starts share those projections on
+the CPU, :func:`_fresh_chunks_attention`). Which slots to write and gather depends only on the segments, so it
 is worked out once per step and micro-batch (:class:`AttentionPlan`) and shared by every layer. The
 math is :func:`moeinfra.moe.mla.latent_attention` (absorbed form).
 
@@ -252,7 +253,12 @@ def paged_mla_attention(
     for rows, context, mask in plan.short:
         query = latent_query(mla, _rows_of(latent, rows))
         out.index_copy_(0, rows, decode_attention(mla, query, store, context, mask))
-    for rows, context, mask in plan.chunks:
+    chunks = plan.chunks
+    fresh = [c for c in chunks if _fresh_expanded(mla, latent, store, c[0], c[1])]
+    if len(fresh) > 1:
+        _fresh_chunks_attention(mla, latent, fresh, out)
+        chunks = [c for c in chunks if not any(c is f for f in fresh)]
+    for rows, context, mask in chunks:
         ctx = gather(store, context).to(out.dtype)
         if rows.numel() > expanded_attention_threshold(mla):
             part = expanded_attention(mla, latent, rows, ctx, mask[0])
@@ -269,6 +275,48 @@ def paged_mla_attention(
         query = latent_query(mla, _rows_of(latent, rows))
         out.index_copy_(0, rows, decode_attention(mla, query, store, selected, None))
     return out
+
+
+def _fresh_expanded(
+    mla: MLA, latent: Latent, store: torch.Tensor, rows: torch.Tensor, context: torch.Tensor
+) -> bool:
+    """Whether a prompt chunk starts its prompt (its context is its own rows, written this step
+    in the cache's dtype) and is long enough for the expanded form, on the CPU kernel: such chunks
+    of one step share their projections (:func:`_fresh_chunks_attention`)."""
+    return (
+        rows.numel() == context.numel()
+        and rows.numel() > expanded_attention_threshold(mla)
+        and store.dtype == latent.kv.dtype
+        and cpu_kernels.usable(latent.q_nope, latent.q_pe, latent.kv, mla.wkv_b.weight)
+    )
+
+
+def _fresh_chunks_attention(mla: MLA, latent: Latent, chunks: list, out: torch.Tensor) -> None:
+    """:func:`expanded_attention` of prompts' first chunks (:func:`_fresh_expanded`) into ``out``, their
+    keys and values expanded by one ``wkv_b`` and their outputs projected by one ``wo`` over all
+    their rows, read from the step's latents (what the cache holds of them): a step of 16
+    128-token prompts of the small benchmark checkpoint ran 2 x 16 small projections, 32
+    concatenations and 16 gathers a layer."""
+    c, heads = mla.config, mla.heads
+    rows = torch.cat([r for r, _, _ in chunks])
+    n = rows.numel()
+    kv = mla.wkv_b(latent.kv.index_select(0, rows)).view(
+        n, heads, c.qk_nope_head_dim + c.v_head_dim
+    )
+    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k_pe = latent.k_pe.index_select(0, rows).reshape(n, 1, c.qk_rope_head_dim)
+    k = torch.cat([k_nope, k_pe.expand(n, heads, c.qk_rope_head_dim)], dim=-1)
+    q = torch.cat([latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows)], dim=-1)
+    pairs = cpu_features.detect().avx512_bf16
+    parts, start = [], 0
+    for chunk_rows, _, _ in chunks:
+        end = start + chunk_rows.numel()
+        span = slice(start, end)
+        parts.append(
+            torch.ops.moeinfra.prefill_attention(q[span], k[span], v[span], mla.scale, pairs)
+        )
+        start = end
+    out.index_copy_(0, rows, mla.wo(torch.cat(parts).flatten(1)))
 
 
 def _rows_of(latent: Latent, rows: torch.Tensor) -> Latent:
