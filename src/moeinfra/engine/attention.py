@@ -292,31 +292,41 @@ def _fresh_expanded(
 
 
 def _fresh_chunks_attention(mla: MLA, latent: Latent, chunks: list, out: torch.Tensor) -> None:
-    """:func:`expanded_attention` of prompts' first chunks (:func:`_fresh_expanded`) into ``out``, their
-    keys and values expanded by one ``wkv_b`` and their outputs projected by one ``wo`` over all
-    their rows, read from the step's latents (what the cache holds of them): a step of 16
+    """:func:`expanded_attention` of prompts' first chunks (:func:`_fresh_expanded`) into ``out``,
+    their keys and values expanded by one ``wkv_b`` and their outputs projected by one ``wo`` over
+    all their rows, read from the step's latents (what the cache holds of them): a step of 16
     128-token prompts of the small benchmark checkpoint ran 2 x 16 small projections, 32
     concatenations and 16 gathers a layer."""
-    c, heads = mla.config, mla.heads
     rows = torch.cat([r for r, _, _ in chunks])
-    n = rows.numel()
-    kv = mla.wkv_b(latent.kv.index_select(0, rows)).view(
-        n, heads, c.qk_nope_head_dim + c.v_head_dim
-    )
-    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-    k_pe = latent.k_pe.index_select(0, rows).reshape(n, 1, c.qk_rope_head_dim)
-    k = torch.cat([k_nope, k_pe.expand(n, heads, c.qk_rope_head_dim)], dim=-1)
-    q = torch.cat([latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows)], dim=-1)
-    pairs = cpu_features.detect().avx512_bf16
+    kv, k_pe = latent.kv.index_select(0, rows), latent.k_pe.index_select(0, rows)
+    q, k, v = _expanded_qkv(mla, latent, rows, kv, k_pe)
     parts, start = [], 0
     for chunk_rows, _, _ in chunks:
-        end = start + chunk_rows.numel()
-        span = slice(start, end)
-        parts.append(
-            torch.ops.moeinfra.prefill_attention(q[span], k[span], v[span], mla.scale, pairs)
-        )
-        start = end
+        span = slice(start, start + chunk_rows.numel())
+        parts.append(_prefill_kernel(mla, q[span], k[span], v[span]))
+        start = span.stop
     out.index_copy_(0, rows, mla.wo(torch.cat(parts).flatten(1)))
+
+
+def _expanded_qkv(
+    mla: MLA, latent: Latent, rows: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries of ``rows`` ``[n, heads, qk_nope + qk_rope]`` and the per-head keys (the same
+    width) and values ``[m, heads, v_head_dim]`` of the latents ``kv [m, kv_lora_rank]`` with
+    their rotated keys ``k_pe [m, qk_rope_head_dim]``."""
+    c, heads, m = mla.config, mla.heads, kv.shape[0]
+    expanded = mla.wkv_b(kv).view(m, heads, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, v = expanded.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[:, None].expand(m, heads, c.qk_rope_head_dim)], dim=-1)
+    q = torch.cat([latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows)], dim=-1)
+    return q, k, v
+
+
+def _prefill_kernel(mla: MLA, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``prefill_attention`` of a causal chunk ``[n, heads, v_head_dim]``, bfloat16 products in
+    pairs where the CPU has AVX512-BF16."""
+    pairs = cpu_features.detect().avx512_bf16
+    return torch.ops.moeinfra.prefill_attention(q, k, v, mla.scale, pairs)
 
 
 def _rows_of(latent: Latent, rows: torch.Tensor) -> Latent:
@@ -448,17 +458,10 @@ def expanded_attention(
     ``prefill_attention`` kernel computes that mask instead of reading it and never writes the
     ``n x m`` scores (a 2,000-token prompt of the small benchmark checkpoint, 8 heads: ~59 vs
     ~259 ms a layer)."""
-    c, heads, m = mla.config, mla.heads, ctx.shape[0]
-    rank = c.kv_lora_rank
-    kv = mla.wkv_b(ctx[:, :rank]).view(m, heads, c.qk_nope_head_dim + c.v_head_dim)
-    k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-    k = torch.cat([k_nope, ctx[:, None, rank:].expand(m, heads, c.qk_rope_head_dim)], dim=-1)
-    q_nope, q_pe = latent.q_nope.index_select(0, rows), latent.q_pe.index_select(0, rows)
-    q = torch.cat([q_nope, q_pe], dim=-1)
+    rank = mla.config.kv_lora_rank
+    q, k, v = _expanded_qkv(mla, latent, rows, ctx[:, :rank], ctx[:, rank:])
     if cpu_kernels.usable(q, k, v):
-        pairs = cpu_features.detect().avx512_bf16  # bfloat16 products in pairs where it can
-        out = torch.ops.moeinfra.prefill_attention(q, k, v, mla.scale, pairs)
-        return mla.wo(out.flatten(1))
+        return mla.wo(_prefill_kernel(mla, q, k, v).flatten(1))
     scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).mul_(mla.scale)
     probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
     out = torch.matmul(probs, v.transpose(0, 1))
