@@ -258,14 +258,14 @@ def served_once(
         keep = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
                 "median_tpot_ms", "p99_tpot_ms", "duration")  # fmt: skip
         bursts = {}
-        for burst in BURSTS:
+        for seed, burst in enumerate(BURSTS):
             result = tmp / f"served-{kind}-{burst}.json"
             result.unlink(missing_ok=True)
             bench = [str(vllm_python), str(cli), "bench", "serve", "--backend", "openai",
                      "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
                      "--model", name, "--tokenizer", str(path), "--dataset-name", "random",
                      "--random-input-len", "128", "--random-output-len", "64", "--num-prompts",
-                     "32", "--ignore-eos", "--request-rate", "inf", "--seed", str(BURSTS.index(burst)),
+                     "32", "--ignore-eos", "--request-rate", "inf", "--seed", str(seed),
                      "--save-result", "--result-filename", str(result)]  # fmt: skip
             subprocess.run(
                 bench, env=system_env("vllm", "small", cores), capture_output=True, timeout=900

@@ -6,10 +6,11 @@ file imports nothing of moeinfra at module level).
 [--max-prompt N] [--output-tokens N]``: for each concurrency ``C``, ``C`` requests of 64 to
 ``--max-prompt`` (256) random prompt tokens (seeded: every system gets the same ids) and
 ``--output-tokens`` (64) greedy output tokens with EOS ignored, submitted at once; one warm-up
-run, then one timed run, or the median of :data:`SHORT_RUNS` where ``C`` is at most :data:`FEW_REQUESTS` or the
-first run lasted under :data:`SHORT_RUN_S` (32 requests of 128 prompt tokens took ~2 s, and single
-such runs of one system ranged 1,130-1,460 tokens/s on this shared 2-core machine). Writes ``{"by_concurrency": {C: {"tokens_per_s", "tokens", "cpu_mean", "cpu_peak"}},
-"cores", "cpu"}``: CPU use in % of one core of the process and its children (vLLM's engine runs
+run, then one timed run, or the median of :data:`SHORT_RUNS` where ``C`` is at most
+:data:`FEW_REQUESTS` or the first run lasted under :data:`SHORT_RUN_S` (32 requests of 128 prompt
+tokens took ~2 s, and single such runs of one system ranged 1,130-1,460 tokens/s on this shared
+2-core machine). Writes ``{"by_concurrency": {C: {"tokens_per_s", "tokens", "cpu_mean",
+"cpu_peak"}}, "cores", "cpu"}``: CPU use in % of one core of the process and its children (vLLM's engine runs
 in a child) during the timed runs, mean and peak of 0.25 s samples, and the cores the process
 may run on.
 """

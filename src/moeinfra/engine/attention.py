@@ -253,12 +253,11 @@ def paged_mla_attention(
     for rows, context, mask in plan.short:
         query = latent_query(mla, _rows_of(latent, rows))
         out.index_copy_(0, rows, decode_attention(mla, query, store, context, mask))
-    chunks = plan.chunks
-    fresh = [c for c in chunks if _fresh_expanded(mla, latent, store, c[0], c[1])]
-    if len(fresh) > 1:
+    fresh = _fresh_chunks(mla, latent, store, plan.chunks)
+    if fresh:
         _fresh_chunks_attention(mla, latent, fresh, out)
-        chunks = [c for c in chunks if not any(c is f for f in fresh)]
-    for rows, context, mask in chunks:
+    shared = {id(chunk) for chunk in fresh}
+    for rows, context, mask in (c for c in plan.chunks if id(c) not in shared):
         ctx = gather(store, context).to(out.dtype)
         if rows.numel() > expanded_attention_threshold(mla):
             part = expanded_attention(mla, latent, rows, ctx, mask[0])
@@ -277,22 +276,22 @@ def paged_mla_attention(
     return out
 
 
-def _fresh_expanded(
-    mla: MLA, latent: Latent, store: torch.Tensor, rows: torch.Tensor, context: torch.Tensor
-) -> bool:
-    """Whether a prompt chunk starts its prompt (its context is its own rows, written this step
-    in the cache's dtype) and is long enough for the expanded form, on the CPU kernel: such chunks
-    of one step share their projections (:func:`_fresh_chunks_attention`)."""
-    return (
-        rows.numel() == context.numel()
-        and rows.numel() > expanded_attention_threshold(mla)
-        and store.dtype == latent.kv.dtype
-        and cpu_kernels.usable(latent.q_nope, latent.q_pe, latent.kv, mla.wkv_b.weight)
-    )
+def _fresh_chunks(mla: MLA, latent: Latent, store: torch.Tensor, chunks: list) -> list:
+    """The prompt chunks of a step that share their projections (:func:`_fresh_chunks_attention`):
+    those that start their prompt (their context is their own rows, written this step in the
+    cache's dtype) and are long enough for the expanded form, on the CPU kernel; none unless at
+    least two."""
+    if store.dtype != latent.kv.dtype or not cpu_kernels.usable(
+        latent.q_nope, latent.q_pe, latent.kv, mla.wkv_b.weight
+    ):
+        return []
+    threshold = expanded_attention_threshold(mla)
+    fresh = [c for c in chunks if c[0].numel() == c[1].numel() > threshold]
+    return fresh if len(fresh) > 1 else []
 
 
 def _fresh_chunks_attention(mla: MLA, latent: Latent, chunks: list, out: torch.Tensor) -> None:
-    """:func:`expanded_attention` of prompts' first chunks (:func:`_fresh_expanded`) into ``out``,
+    """:func:`expanded_attention` of prompts' first chunks (:func:`_fresh_chunks`) into ``out``,
     their keys and values expanded by one ``wkv_b`` and their outputs projected by one ``wo`` over
     all their rows, read from the step's latents (what the cache holds of them): a step of 16
     128-token prompts of the small benchmark checkpoint ran 2 x 16 small projections, 32
